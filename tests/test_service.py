@@ -1,0 +1,264 @@
+"""The service end to end: real vLLM (CPU build, embedded model), real refenv, real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from inference import embedded_model
+from rollout_service.client import AsyncRolloutClient, RolloutClient, RolloutError
+
+SAMPLING = {"temperature": 0.8, "max_tokens": 48}
+VARIANCE_TASKS = ("t001", "t005", "t009", "t002")
+
+
+def group(service_url: str, timeout: float = 300, **body) -> httpx.Response:
+    return httpx.post(f"{service_url}/groups", json=body, timeout=timeout)
+
+
+def wait_until(predicate, timeout_s: float = 5.0, every_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every_s)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(embedded_model.prepare()))
+
+
+def test_group_of_8_has_variance_exact_tokens_and_contract(start_refenv, start_service, tokenizer):
+    env = start_refenv("--pool", "8")
+    service = start_service([env.url])
+    groups = []
+    for task in VARIANCE_TASKS:  # a small model's rewards differ on most of these; stop at the first that does
+        r = group(service.url, task_id=task, n=8, sampling=SAMPLING)
+        assert r.status_code == 200, r.text
+        groups.append(r.json())
+        if not groups[-1]["all_equal"]:
+            break
+    assert any(not g["all_equal"] and len(set(g["rewards"])) > 1 for g in groups), [g["rewards"] for g in groups]
+    health = env.health()
+    for g in groups:
+        assert g["n"] == 8 and g["counts"]["scheduled"] == 8
+        assert g["counts"]["scored"] + g["counts"]["failed"] == 8
+        assert g["sampling"]["temperature"] == 0.8 and g["model"] == embedded_model.MODEL_NAME
+        assert g["env"]["catalog_hash"] == health["dataset"]["catalog_hash"]
+        assert g["env"]["reward_version"] == health["reward_version"] and g["env"]["reward_profile"] == "rl"
+        scored = [a for a in g["attempts"] if a["status"] == "scored"]
+        assert sum(a["advantage"] for a in scored) == pytest.approx(0.0, abs=1e-4)
+        mean = sum(a["reward"] for a in scored) / len(scored)
+        for a in scored:
+            assert a["advantage"] == pytest.approx(a["reward"] - mean, abs=1e-4)
+        for a in g["attempts"]:
+            assert a["turns"], a
+            assert a["timings"]["inference_s"] > 0 and a["timings"]["total_s"] >= a["timings"]["inference_s"]
+            for turn in a["turns"]:
+                ids, logprobs = turn["completion_token_ids"], turn["logprobs"]
+                assert turn["token_source"] == "server" and ids and len(logprobs) == len(ids)
+                assert all(lp <= 0.0 for lp in logprobs)
+                assert tokenizer.decode(ids, skip_special_tokens=True) == turn["completion"]
+                assert turn["completion_tokens"] == len(ids)
+                prompt = tokenizer.decode(turn["prompt_token_ids"])
+                assert turn["messages"][-1]["content"] in prompt
+                assert turn["trainable"] is (turn["stage"] == "executor")
+    assert env.health()["leased"] == 0
+
+
+def test_many_concurrent_groups_keep_the_pool_full_never_over(start_refenv, start_service):
+    env = start_refenv("--pool", "3")
+    service = start_service([env.url])
+    body = {"groups": [{"task_id": t, "n": 4, "sampling": {"temperature": 0.8, "max_tokens": 24}, "max_turns": 3}
+                       for t in ("t001", "t002", "t003", "t005", "t006", "t007")]}
+    lines = []
+    with httpx.stream("POST", f"{service.url}/groups/batch", json=body, timeout=600) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        for line in response.iter_lines():
+            if line.strip():
+                lines.append((time.monotonic(), json.loads(line)))
+    assert sorted(item["index"] for _, item in lines) == list(range(6))
+    assert all("group" in item for _, item in lines)
+    assert lines[-1][0] - lines[0][0] > 0.05  # streamed as they finished, not all at once
+    health = env.health()
+    assert health["max_leased"] == 3  # the pool was kept full, and never exceeded
+    assert health["leased"] == 0
+    svc = httpx.get(f"{service.url}/health").json()["envs"][0]
+    assert svc["max_held_by_service"] == 3 and svc["held_by_service"] == 0
+    assert sum(item["group"]["counts"]["scheduled"] for _, item in lines) == 24
+
+
+def test_env_failures_are_marked_retried_and_leak_nothing(start_refenv, start_service):
+    env = start_refenv("--pool", "4", "--fail-rate", "0.5", "--seed", "7")
+    service = start_service([env.url])
+    r = group(service.url, task_id="t005", n=8, retries=2, sampling={"temperature": 0.8, "max_tokens": 24})
+    assert r.status_code == 200, r.text
+    g = r.json()
+    assert g["counts"]["scheduled"] == 8 == g["counts"]["scored"] + g["counts"]["failed"]
+    retried = [a for a in g["attempts"] if a["tries"] > 1]
+    assert retried, "with a 50% fail rate some attempt must have been retried"
+    for a in retried:
+        assert len(a["earlier_failures"]) == a["tries"] - 1
+        assert all(f["kind"] in ("transport_error", "environment_failure", "env_500_episode_failed")
+                   for f in a["earlier_failures"])
+    for a in g["attempts"]:
+        if a["status"] == "scored":
+            assert a["reward"] is not None and a["advantage"] is not None
+        else:
+            assert a["status"] == "env_failure" and a["reward"] is None and a["advantage"] is None
+            assert a["failure"]["kind"] and a["tries"] == 3
+    rewards = [x for x in g["rewards"] if x is not None]
+    assert len(rewards) == g["counts"]["scored"]
+    health = env.health()
+    assert health["leased"] == 0 and health["max_leased"] <= 4
+
+
+def test_attempt_timeout_and_max_turns_abandon_their_episodes(start_refenv, start_service):
+    env = start_refenv("--pool", "2", "--latency-ms", "2000")
+    service = start_service([env.url])
+    g = group(service.url, task_id="t005", n=2, timeout_s=1.0, sampling={"temperature": 0.8, "max_tokens": 16}).json()
+    assert [a["status"] for a in g["attempts"]] == ["timeout", "timeout"]
+    assert all(a["failure"]["kind"] == "deadline" and a["reward"] is None for a in g["attempts"])
+    assert g["counts"]["scored"] == 0 and g["mean"] is None
+    assert wait_until(lambda: env.health()["leased"] == 0, 3)
+    assert env.health()["episodes"]["abandoned"] == 2
+
+    quick = start_refenv("--pool", "2")
+    service2 = start_service([quick.url])
+    g = group(service2.url, task_id="t005", n=2, max_turns=1, sampling={"temperature": 0.8, "max_tokens": 16}).json()
+    for a in g["attempts"]:
+        assert len(a["turns"]) == 1
+        if a["status"] != "scored":  # an attempt that answered in one turn finished on its own
+            assert a["status"] == "timeout" and a["failure"]["kind"] == "max_turns"
+    assert quick.health()["leased"] == 0
+
+
+def test_client_disconnect_abandons_every_episode_within_a_second(start_refenv, start_service):
+    env = start_refenv("--pool", "4", "--latency-ms", "20000")
+    service = start_service([env.url])
+    with pytest.raises(httpx.ReadTimeout):
+        group(service.url, timeout=4, task_id="t005", n=4, sampling={"temperature": 0.8, "max_tokens": 16})
+    assert env.health()["leased"] == 4 or env.health()["episodes"]["abandoned"] > 0
+    gone = time.monotonic()
+    assert wait_until(lambda: env.health()["leased"] == 0, 3.0)
+    assert time.monotonic() - gone < 1.5
+    assert env.health()["episodes"]["abandoned"] == 4
+
+    # The same through a batch stream: the trainer reads one line's worth of time, then leaves.
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", f"{service.url}/groups/batch", timeout=4,
+                          json={"groups": [{"task_id": "t005", "n": 2, "sampling": SAMPLING}] * 3}) as response:
+            for _ in response.iter_lines():
+                pass
+    assert wait_until(lambda: env.health()["leased"] == 0, 1.5)
+    assert httpx.get(f"{service.url}/health").json()["envs"][0]["held_by_service"] == 0
+
+
+@pytest.mark.parametrize("body,status,words", [
+    ({"task_id": "t001", "n": 0}, 422, "n"),
+    ({"task_id": "t001", "n": 1000}, 422, "--max-n"),
+    ({"task_id": "no-such-task", "n": 2}, 404, "no-such-task"),
+    ({"slug": "no-such-slug", "n": 2}, 404, "no-such-slug"),
+    ({"task_id": "t001", "n": 4, "sampling": {"temperature": 0}}, 422, "greedy group has no signal"),
+    ({"task_id": "t001", "reward_profile": "fastest"}, 422, "reward_profile"),
+    ({"task_id": "t001", "slug": "x"}, 422, "exactly one of task_id or slug"),
+    ({"n": 2}, 422, "exactly one of task_id or slug"),
+    ({"task_id": "t001", "colour": "blue"}, 422, "colour"),
+    ({"task_id": "t001", "sampling": {"temperature": 3}}, 422, "temperature"),
+    ({"task_id": "t001", "sampling": {"max_tokens": 0}}, 422, "max_tokens"),
+    ({"task_id": "t001", "sampling": {"top_p": 0}}, 422, "top_p"),
+    ({"task_id": "t001", "timeout_s": -1}, 422, "timeout_s"),
+    ({"task_id": "t001", "n": "eight"}, 422, "n"),
+    ({"task_id": "t001", "model": "gpt-9"}, 422, "gpt-9"),
+])
+def test_bad_input_gets_a_4xx_that_says_what_to_change(shared_service, body, status, words):
+    r = httpx.post(f"{shared_service}/groups", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"] and words in r.json()["message"]
+
+
+def test_malformed_oversized_and_bad_batches(shared_service):
+    r = httpx.post(f"{shared_service}/groups", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"] == "invalid_json"
+    r = httpx.post(f"{shared_service}/groups", content=b"[" * 50_000, headers={"content-type": "application/json"})
+    assert r.status_code in (400, 422)
+    r = httpx.post(f"{shared_service}/groups", content=b" " * (9 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "body_too_large"
+    r = httpx.post(f"{shared_service}/groups/batch", json={"groups": [{"task_id": "t001"}, {"task_id": "zzz"}]})
+    assert r.status_code == 404 and "groups[1]" in r.json()["message"]
+    r = httpx.post(f"{shared_service}/groups/batch", json={"groups": []})
+    assert r.status_code == 422
+    # Greedy when the request says it means it.
+    r = group(shared_service, task_id="t001", n=2, allow_greedy=True, sampling={"temperature": 0, "max_tokens": 16})
+    assert r.status_code == 200 and r.json()["all_equal"] is True
+    assert "temperature=0.0" in r.json()["diagnosis"]
+
+
+@pytest.fixture
+def shared_service(start_refenv, start_service):
+    env = start_refenv("--pool", "2")
+    return start_service([env.url]).url
+
+
+def test_startup_refuses_bad_configuration(start_refenv, start_service, vllm_url):
+    ok = start_refenv("--seed", "1")
+    other = start_refenv("--seed", "2")
+    for envs, flags, words in [
+        (["http://127.0.0.1:9"], [], "unreachable"),
+        ([ok.url, other.url], [], "not comparable"),
+        ([ok.url], ["--model", "no-such-model"], "no-such-model"),
+    ]:
+        proc = start_service(envs, *flags, wait=False).proc
+        proc.proc.wait(60)
+        assert proc.proc.returncode != 0
+        log = proc.log_path.read_text()
+        assert words in log and "Traceback" not in log, log
+
+
+def test_trainer_client_auth_metrics_and_support_routing(start_refenv, start_service):
+    env = start_refenv("--pool", "4", "--responder")
+    service = start_service([env.url], "--api-key-env", "TEST_ROLLOUT_KEY", env={"TEST_ROLLOUT_KEY": "s3cret"})
+    assert httpx.get(f"{service.url}/health").status_code == 200
+    assert httpx.post(f"{service.url}/groups", json={"task_id": "t001"}).status_code == 401
+    assert httpx.get(f"{service.url}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    with RolloutClient(service.url, api_key="s3cret") as client:
+        g = client.group(task_id="t001", n=2, policy_version="step-42", sampling={"temperature": 0.8, "max_tokens": 32})
+        assert g.policy_version == "step-42" and len(g.attempts) == 2
+        # Answered episodes end with the responder stage: not the policy's, so not trainable.
+        for attempt in g.attempts:
+            for turn in attempt.turns:
+                assert turn.trainable == (turn.stage == "executor")
+        items = list(client.groups([{"task_id": "t002", "n": 2, "sampling": SAMPLING},
+                                    {"task_id": "t003", "n": 2, "sampling": SAMPLING}]))
+        assert sorted(i.index for i in items) == [0, 1] and all(i.group for i in items)
+        with pytest.raises(RolloutError) as err:
+            client.group(task_id="nope", n=2)
+        assert err.value.status == 404
+    metrics = httpx.get(f"{service.url}/metrics", headers={"Authorization": "Bearer s3cret"}).text
+    assert 'rollout_attempts_total{status="scored"}' in metrics or 'rollout_attempts_total{status=' in metrics
+    assert "rollout_groups_total" in metrics
+    assert env.health()["leased"] == 0
+
+
+def test_async_client(start_refenv, start_service):
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url])
+
+    async def use():
+        async with AsyncRolloutClient(service.url) as client:
+            g = await client.group(task_id="t001", n=2, sampling={"temperature": 0.8, "max_tokens": 24})
+            got = [item async for item in client.groups([{"task_id": "t002", "n": 2, "sampling": SAMPLING}])]
+            return g, got
+
+    g, got = asyncio.run(use())
+    assert g.counts.scheduled == 2
+    assert len(got) == 1 and got[0].group is not None
