@@ -26,7 +26,10 @@ def vllm_command(model_dir: Path | str, *, served_name: str, host: str = "127.0.
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", served_name, "--host", host, "--port", str(port),
             "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--disable-log-stats",
-            "--enable-prefix-caching", "--max-num-seqs", "128", *(extra or [])]
+            "--enable-prefix-caching", "--max-num-seqs", "128",
+            # Without this the JSON grammar admits any whitespace, and a small model fills
+            # max_tokens with newlines inside an otherwise valid action.
+            "--structured-outputs-config", '{"disable_any_whitespace": true}', *(extra or [])]
 
 
 def vllm_environment(kv_cache_gib: int = 4) -> dict[str, str]:

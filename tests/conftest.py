@@ -56,13 +56,14 @@ def vllm_url(logs_dir) -> str:
 
 @pytest.fixture
 def start_refenv(logs_dir, request):
-    """start_refenv('--pool', '2', ...) -> Running; stopped after the test."""
+    """start_refenv('--pool', '2', ..., step=True) -> Running; stopped after the test."""
     started: list[ManagedProcess] = []
 
-    def start(*flags: str) -> Running:
+    def start(*flags: str, step: bool = True) -> Running:
         port = free_port()
         name = f"refenv-{request.node.name[:40]}-{len(started)}"
-        proc = ManagedProcess(name, [sys.executable, "-m", "refenv.cli", "serve", "--step",
+        mode = ["--step"] if step else []
+        proc = ManagedProcess(name, [sys.executable, "-m", "refenv.cli", "serve", *mode,
                                      "--listen", f"127.0.0.1:{port}", *flags], logs_dir / f"{name}.log")
         started.append(proc)
         proc.start()

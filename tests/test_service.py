@@ -262,3 +262,23 @@ def test_async_client(start_refenv, start_service):
     g, got = asyncio.run(use())
     assert g.counts.scheduled == 2
     assert len(got) == 1 and got[0].group is not None
+
+
+def test_refenv_support_model_answers_responder_and_hosted_mode(start_refenv, vllm_url):
+    """refenv's own model calls (--support-model) against the real vLLM server."""
+    support = f"{vllm_url},{embedded_model.MODEL_NAME}"
+    env = start_refenv("--responder", "--support-model", support)
+    reset = httpx.post(f"{env.url}/step/reset", json={"task_id": "t005"}).json()
+    final = httpx.post(f"{env.url}/step", timeout=120, json={
+        "episode_id": reset["episode_id"], "completion": json.dumps({"action": "answer", "input": "20"}),
+        "prompt_tokens": 300, "completion_tokens": 12}).json()
+    # The responder stage was answered by refenv itself: the driver never saw it.
+    assert final["done"] is True and final["pass"] is True
+    assert final["score"]["tokens"]["llm_calls"] == 2
+    hosted = start_refenv("--support-model", support, step=False)
+    r = httpx.post(f"{hosted.url}/episodes", json={"task_id": "t001", "include_trajectory": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["task_id"] == "t001" and body["trajectory"] and body["trajectory"][0]["stage"] == "executor"
+    assert 0.0 <= body["reward"] <= 1.0 and body["latency_ms"] > 0
+    assert hosted.health()["leased"] == 0
