@@ -29,7 +29,7 @@ def vllm_command(model_dir: Path | str, *, served_name: str, host: str = "127.0.
             "--enable-prefix-caching", "--max-num-seqs", "128",
             # Without this the JSON grammar admits any whitespace, and a small model fills
             # max_tokens with newlines inside an otherwise valid action.
-            "--structured-outputs-config", '{"disable_any_whitespace": true}', *(extra or [])]
+            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}', *(extra or [])]
 
 
 def vllm_environment(kv_cache_gib: int = 4) -> dict[str, str]:

@@ -157,7 +157,9 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         target, policy = service.resolve(request)
         service.metrics.groups_in_flight.inc()
         try:
-            return await service.runner.run_group(request, target, policy, sequence, service.run_id)
+            result = await service.runner.run_group(request, target, policy, sequence, service.run_id)
+            service.record(result)
+            return result
         finally:
             service.metrics.groups_in_flight.dec()
 

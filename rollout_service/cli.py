@@ -53,7 +53,24 @@ def _add_serve(sub) -> None:
                    help=f"most groups in one batch (default 1024) [{ENV_VARS['max_batch']}]")
     p.add_argument("--policy-stage", action="append", default=None, metavar="STAGE",
                    help=f"stage(s) the policy is trained on (default executor) [{ENV_VARS['policy_stage']}]")
+    p.add_argument("--model-endpoint", action="append", default=None, metavar="NAME=URL[,OPTS]",
+                   help="a named model a group may ask for (e.g. a teacher), on any OpenAI-compatible server; "
+                        "options: api-key-env=VAR, model=SERVED_NAME, token-ids=false (not vLLM) "
+                        f"[{ENV_VARS['model_endpoint']}, ';'-separated]")
+    p.add_argument("--runs-dir", default=None, metavar="DIR",
+                   help=f"append every finished group to DIR/<run-id>.jsonl [{ENV_VARS['runs_dir']}]")
+    p.add_argument("--run-id", default=None,
+                   help=f"run id (default: generated); reuse one to append to its log [{ENV_VARS['run_id']}]")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+
+
+def _endpoints(specs: list[str] | None) -> dict:
+    from .config import EndpointSpec
+
+    if not specs:
+        raw = os.environ.get(ENV_VARS["model_endpoint"], "")
+        specs = [s for s in raw.split(";") if s.strip()]
+    return dict(EndpointSpec.parse(spec) for spec in specs)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -79,7 +96,9 @@ def _serve(args: argparse.Namespace) -> int:
             max_requests_per_second=args.max_requests_per_second or (float(_env("max_requests_per_second"))
                                                                      if _env("max_requests_per_second") else None),
             max_n=args.max_n or int(_env("max_n") or 64), max_batch=args.max_batch or int(_env("max_batch") or 1024),
-            policy_stages=args.policy_stage or _env_list("policy_stage") or ["executor"])
+            policy_stages=args.policy_stage or _env_list("policy_stage") or ["executor"],
+            model_endpoints=_endpoints(args.model_endpoint), runs_dir=args.runs_dir or _env("runs_dir"),
+            run_id=args.run_id or _env("run_id"))
         app = create_app(config)
     except (ValueError, TypeError) as exc:
         print(f"rollout-service serve: {exc}", file=sys.stderr)
@@ -187,6 +206,76 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write SFT records from a run log (distillation, rejection sampling)")
+    p.add_argument("run", help="a run id (in --runs-dir) or a path to a run log (.jsonl)")
+    p.add_argument("--runs-dir", type=Path, default=Path(os.environ.get(ENV_VARS["runs_dir"], "runs")),
+                   help="where run logs are (default runs, or $ROLLOUT_RUNS_DIR)")
+    p.add_argument("--stage", default="executor", help="the stage whose turns to keep (default executor)")
+    p.add_argument("--min-reward", type=float, default=0.0, help="keep attempts with reward >= this (default 0)")
+    p.add_argument("--best-of-group", action="store_true", help="keep only each group's best attempt")
+    p.add_argument("--allow-eval-side", action="store_true", help="also keep episodes from an eval-side env (!)")
+    p.add_argument("--out", type=Path, required=True, help="output JSONL of {messages, meta}")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import ExportOptions, export_sft
+    from .runlog import find_run
+
+    try:
+        path = find_run(args.run, args.runs_dir)
+        report = export_sft(path, args.out, ExportOptions(args.stage, args.min_reward, args.best_of_group,
+                                                          args.allow_eval_side))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"rollout-service export: {exc}", file=sys.stderr)
+        return 2
+    if args.allow_eval_side:
+        print("WARNING: --allow-eval-side: records from the held-out side are included; "
+              "measurements on that side are no longer held out", file=sys.stderr)
+    for line in report.lines():
+        print(line)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _add_measure(sub) -> None:
+    p = sub.add_parser("measure", help="pass rate of the policy on an eval-side env, with a 95%% interval")
+    p.add_argument("--env", required=True, action="append", metavar="EVAL_URL", help="eval-side env server")
+    p.add_argument("--vllm", action="append", default=None, metavar="URL", help=f"model server [{ENV_VARS['vllm']}]")
+    p.add_argument("--model", default=None, help=f"model name [{ENV_VARS['model']}]")
+    p.add_argument("--repeats", type=int, default=2, help="attempts per task (default 2)")
+    p.add_argument("--limit", type=int, default=None, help="measure only the first N tasks")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _measure(args: argparse.Namespace) -> int:
+    import json
+
+    from .measure import format_measurement, run_measure
+    from .service import StartupError
+
+    vllm, model = args.vllm or _env_list("vllm"), args.model or _env("model")
+    if not vllm or not model:
+        print("rollout-service measure: needs --vllm and --model (or their environment variables)", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print("rollout-service measure: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    config = ServiceConfig(envs=args.env, vllm=vllm, model=model, max_n=max(64, args.repeats))
+    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    try:
+        result = asyncio.run(run_measure(config, repeats=args.repeats, limit=args.limit,
+                                         temperature=args.temperature, max_tokens=args.max_tokens,
+                                         model=None, progress=say))
+    except (StartupError, ValueError) as exc:
+        print(f"rollout-service measure: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=1) if args.json else format_measurement(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-service",
                                      description="vLLM-backed rollout service for RL post-training of agents")
@@ -195,12 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_up(sub)
     _add_vllm(sub)
+    _add_export(sub)
+    _add_measure(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"serve": _serve, "demo": _demo, "up": _up, "vllm": _vllm}[args.command](args)
+    commands = {"serve": _serve, "demo": _demo, "up": _up, "vllm": _vllm, "export": _export, "measure": _measure}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,16 @@ _SEED_STRIDE = 7919  # attempt i samples with seed + i * stride + turn: differen
 
 @dataclass
 class Route:
-    """Who answers a stage: a model name on a chat client."""
+    """Who answers a stage: a model (as results name it) on a chat client."""
 
     model: str
     client: ChatClient
     token_ids: bool = True
+    served_model: str | None = None  # the name the server knows it by, when it differs
+
+    @property
+    def request_model(self) -> str:
+        return self.served_model or self.model
 
 
 @dataclass
@@ -186,7 +191,7 @@ class GroupRunner:
             sampling = sampling.model_copy(update={"seed": seed})
         started = time.monotonic()
         try:
-            result = await route.client.chat(model=route.model, messages=observation.messages, sampling=sampling,
+            result = await route.client.chat(model=route.request_model, messages=observation.messages, sampling=sampling,
                                              response_format=observation.response_format, affinity=group_id)
         finally:
             clock.inference += time.monotonic() - started

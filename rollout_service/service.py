@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -16,7 +17,8 @@ from .env_client import EnvClient, EnvError, EnvHealth, EnvTask
 from .metrics import Metrics
 from .runner import EnvHandle, GroupRunner, Route, RunnerConfig, TaskTarget
 from .scheduler import EnvSlots, WorldScheduler
-from .schemas import EnvContract, GroupRequest
+from .runlog import RunLog
+from .schemas import EnvContract, GroupRequest, GroupResult
 
 
 class StartupError(Exception):
@@ -54,6 +56,16 @@ class RolloutService:
         self.envs: dict[str, EnvHandle] = {}
         self.targets: dict[str, TaskTarget] = {}
         self.by_slug: dict[str, str] = {}
+        self.task_info: dict[str, EnvTask] = {}
+        self.named: dict[str, Route] = {
+            name: Route(name, ChatClient([spec.url], api_key=spec.api_key(), timeout_s=config.inference_timeout_s,
+                                         max_requests_per_second=config.max_requests_per_second,
+                                         token_ids=spec.token_ids),
+                        token_ids=spec.token_ids, served_model=spec.model)
+            for name, spec in config.model_endpoints.items()}
+        if config.run_id:
+            self.run_id = config.run_id
+        self.run_log = RunLog(Path(config.runs_dir), self.run_id) if config.runs_dir else None
         self.scheduler: WorldScheduler | None = None
         self.runner: GroupRunner | None = None
         self.started_at = time.time()
@@ -87,11 +99,17 @@ class RolloutService:
             self.envs[found.url] = EnvHandle(found.url, clients[found.url], slot, contract)
         self._index_tasks(discovered)
         await self._check_models()
+        if self.run_log is not None:
+            self.run_log.start()
         self.scheduler = WorldScheduler(slots)
         self.runner = GroupRunner(self.scheduler, self.policy, self.support, self.metrics,
                                   RunnerConfig(policy_stages=frozenset(self.config.policy_stages)))
 
     async def close(self) -> None:
+        if self.run_log is not None:
+            await self.run_log.close()
+        for route in self.named.values():
+            await route.client.aclose()
         for env in self.envs.values():
             await env.client.aclose()
         await self.policy.client.aclose()
@@ -120,6 +138,7 @@ class RolloutService:
             env = self.envs[found.url]
             for task in found.tasks:
                 target = self.targets.get(task.task_id)
+                self.task_info.setdefault(task.task_id, task)
                 if target is None:
                     self.targets[task.task_id] = TaskTarget(task.task_id, task.slug, [env])
                     if task.slug:
@@ -135,8 +154,13 @@ class RolloutService:
                         "dataset and reward version per service")
                 target.envs.append(env)
 
+    def record(self, group: GroupResult) -> None:
+        """Append a finished group to the run log, if there is one."""
+        if self.run_log is not None:
+            self.run_log.append(group)
+
     async def _check_models(self) -> None:
-        routes = [self.policy] + ([self.support] if self.support else [])
+        routes = [self.policy] + ([self.support] if self.support else []) + list(self.named.values())
         for route in routes:
             for endpoint in route.client.endpoints:
                 try:
@@ -144,9 +168,10 @@ class RolloutService:
                 except (httpx.HTTPError, ValueError, KeyError) as exc:
                     raise StartupError(f"model server {endpoint.url} is unreachable: "
                                        f"{type(exc).__name__}: {exc}") from None
-                if route.model not in models:
-                    raise StartupError(f"model server {endpoint.url} serves {models}, not {route.model!r}: "
-                                       "pass --model (or --support-model) with one of those names")
+                if route.request_model not in models:
+                    raise StartupError(f"model server {endpoint.url} serves {models}, not {route.request_model!r}: "
+                                       "pass --model (or --support-model, or model= of --model-endpoint) "
+                                       "with one of those names")
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -168,10 +193,14 @@ class RolloutService:
                                "set. Set allow_eval_side: true if you mean to")
         if not request.allow_eval_side:
             envs = [e for e in envs if e.contract.side != "eval"]
+        route = self.policy
         if request.model and request.model != self.policy.model:
-            raise RequestError(422, "unknown_model", f"model {request.model!r} is not served here; "
-                               f"the policy is {self.policy.model!r}")
-        return TaskTarget(target.task_id, target.slug, envs), self.policy
+            route = self.named.get(request.model)
+            if route is None:
+                known = ", ".join([self.policy.model, *self.named])
+                raise RequestError(422, "unknown_model", f"model {request.model!r} is not served here; "
+                                   f"known: {known} (--model, --model-endpoint)")
+        return TaskTarget(target.task_id, target.slug, envs), route
 
     def task_list(self) -> list[dict]:
         return [{"task_id": t.task_id, "slug": t.slug, "envs": [e.url for e in t.envs]}
@@ -198,9 +227,9 @@ class RolloutService:
                          "outstanding": endpoint.outstanding}
                 try:
                     models = await asyncio.wait_for(route.client.list_models(endpoint), 3.0)
-                    state.update(ok=route.model in models)
-                    if route.model not in models:
-                        state["error"] = f"serves {models}, not {route.model}"
+                    state.update(ok=route.request_model in models)
+                    if route.request_model not in models:
+                        state["error"] = f"serves {models}, not {route.request_model}"
                 except (httpx.HTTPError, asyncio.TimeoutError, ValueError, KeyError) as exc:
                     state.update(ok=False, error=f"unreachable: {type(exc).__name__}: {exc}"[:300])
                 if endpoint.last_error:
@@ -213,7 +242,11 @@ class RolloutService:
         if self.support is not None:
             models += await model_state(self.support, "support")
         ok = all(e["ok"] for e in envs) and all(m["ok"] for m in models)
+        for name, route in self.named.items():
+            models += await model_state(route, f"named:{name}")
+        ok = all(e["ok"] for e in envs) and all(m["ok"] for m in models)
         return {"status": "ok" if ok else "degraded", "run_id": self.run_id,
+                "run_log": str(self.run_log.path) if self.run_log else None,
                 "uptime_s": round(time.time() - self.started_at, 1),
                 "groups_in_flight": int(self.metrics.groups_in_flight._value.get()),
                 "attempts_waiting_for_a_world": self.scheduler.waiting if self.scheduler else 0,

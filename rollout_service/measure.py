@@ -1,0 +1,102 @@
+"""`rollout-service measure`: a checkpoint's pass rate on the held-out side, with its uncertainty."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import defaultdict
+
+from .config import ServiceConfig
+from .schemas import GroupRequest, GroupResult
+from .service import RolloutService
+
+Z95 = 1.959964
+
+
+def wilson_interval(passes: int, trials: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95% by default)."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = passes / trials
+    denom = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def resolution_floor(trials: int, z: float = Z95) -> float:
+    """The smallest difference between two pass rates measured like this one that is not noise:
+    the width of the 95% interval at p = 0.5 (its widest), for this many trials."""
+    if trials == 0:
+        return 1.0
+    lo, hi = wilson_interval(trials // 2, trials, z)
+    return hi - lo
+
+
+async def run_measure(config: ServiceConfig, *, repeats: int, limit: int | None, temperature: float,
+                      max_tokens: int, model: str | None, progress=print) -> dict:
+    service = RolloutService(config)
+    await service.start()
+    try:
+        targets = list(service.targets.values())[: limit or None]
+        if not targets:
+            raise ValueError("the env serves no task")
+        progress(f"measuring {len(targets)} task(s) x {repeats} repeat(s) on {', '.join(config.envs)}")
+        done = 0
+
+        async def one(target) -> GroupResult:
+            nonlocal done
+            request = GroupRequest(task_id=target.task_id, n=repeats, allow_eval_side=True, allow_greedy=True,
+                                   model=model, sampling={"temperature": temperature, "max_tokens": max_tokens})
+            resolved, policy = service.resolve(request)
+            result = await service.runner.run_group(request, resolved, policy, run_id=service.run_id)
+            done += 1
+            if done % max(1, len(targets) // 10) == 0 or done == len(targets):
+                progress(f"  {done}/{len(targets)} tasks done")
+            return result
+
+        groups = await asyncio.gather(*(one(t) for t in targets))
+    finally:
+        await service.close()
+    return summarize_measurement(groups, service, repeats)
+
+
+def summarize_measurement(groups: list[GroupResult], service: RolloutService, repeats: int) -> dict:
+    scored = [a for g in groups for a in g.attempts if a.status == "scored"]
+    passes = sum(bool(a.pass_) for a in scored)
+    lo, hi = wilson_interval(passes, len(scored))
+    categories: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    category_of = {t.task_id: t.category or "uncategorized" for t in service.task_info.values()}
+    for g in groups:
+        key = category_of.get(g.task_id, "all")
+        for a in g.attempts:
+            if a.status == "scored":
+                categories[key][0] += bool(a.pass_)
+                categories[key][1] += 1
+    contract = groups[0].env if groups else None
+    return {
+        "tasks": len(groups), "repeats": repeats,
+        "scheduled": sum(g.counts.scheduled for g in groups), "scored": len(scored), "passes": passes,
+        "pass_rate": passes / len(scored) if scored else None, "wilson95": [lo, hi],
+        "resolution_floor": resolution_floor(len(scored)),
+        "mean_reward": sum(a.reward for a in scored) / len(scored) if scored else None,
+        "by_category": {k: {"passes": v[0], "scored": v[1]} for k, v in sorted(categories.items())},
+        "model": groups[0].model if groups else None,
+        "env": contract.model_dump() if contract else None,
+    }
+
+
+def format_measurement(m: dict) -> str:
+    env = m["env"] or {}
+    rate = "-" if m["pass_rate"] is None else f"{m['pass_rate']:.3f}"
+    lines = [
+        f"pass rate {rate}  (95% Wilson interval {m['wilson95'][0]:.3f} .. {m['wilson95'][1]:.3f})  "
+        f"{m['passes']}/{m['scored']} scored attempts, {m['scheduled']} scheduled",
+        f"mean reward {'-' if m['mean_reward'] is None else format(m['mean_reward'], '.3f')}",
+        f"resolution floor: with {m['scored']} scored attempts ({m['tasks']} tasks x {m['repeats']} repeats), "
+        f"two checkpoints whose pass rates differ by less than {m['resolution_floor']:.3f} are not distinguishable",
+        "by category: " + ", ".join(f"{k} {v['passes']}/{v['scored']}" for k, v in m["by_category"].items()),
+        f"model {m['model']}; env dataset {env.get('catalog_hash')}, reward {env.get('reward_version')} "
+        f"profile {env.get('reward_profile')}, side {env.get('side')}",
+    ]
+    return "\n".join(lines)

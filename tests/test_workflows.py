@@ -1,0 +1,118 @@
+"""The three training workflows: teacher distillation, rejection sampling, held-out measurement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+
+from inference import embedded_model
+
+SAMPLING = {"temperature": 0.8, "max_tokens": 32}
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollout_service.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_teacher_and_policy_side_by_side(start_refenv, start_service, vllm_url):
+    env = start_refenv("--pool", "4")
+    # The "teacher" is any OpenAI-compatible server; here the same CPU vLLM under another name,
+    # asked as a non-vLLM server would be (no token ids).
+    service = start_service([env.url], "--model-endpoint",
+                            f"teacher={vllm_url},model={embedded_model.MODEL_NAME},token-ids=false")
+    teacher = httpx.post(f"{service.url}/groups", timeout=300,
+                         json={"task_id": "t001", "n": 2, "model": "teacher", "sampling": SAMPLING}).json()
+    policy = httpx.post(f"{service.url}/groups", timeout=300,
+                        json={"task_id": "t001", "n": 2, "sampling": SAMPLING}).json()
+    assert teacher["model"] == "teacher" and policy["model"] == embedded_model.MODEL_NAME
+    teacher_turns = [t for a in teacher["attempts"] for t in a["turns"]]
+    policy_turns = [t for a in policy["attempts"] for t in a["turns"]]
+    assert teacher_turns and all(t["token_source"] == "absent" and t["completion_token_ids"] is None
+                                 and t["logprobs"] is None and t["model"] == "teacher" for t in teacher_turns)
+    assert policy_turns and all(t["token_source"] == "server" and t["completion_token_ids"] for t in policy_turns)
+    models = httpx.get(f"{service.url}/health").json()["models"]
+    assert {m["role"] for m in models} == {"policy", "named:teacher"} and all(m["ok"] for m in models)
+
+
+def test_run_log_survives_restart_and_exports_round_trip(start_refenv, start_service, tmp_path):
+    env = start_refenv("--pool", "4")
+    runs = tmp_path / "runs"
+    first = start_service([env.url], "--runs-dir", str(runs), "--run-id", "r1")
+    for task in ("t001", "t005"):
+        g = httpx.post(f"{first.url}/groups", timeout=300, json={"task_id": task, "n": 3, "sampling": SAMPLING}).json()
+        assert g["run_id"] == "r1"
+    assert httpx.get(f"{first.url}/health").json()["run_id"] == "r1"
+    first.proc.stop()
+    second = start_service([env.url], "--runs-dir", str(runs), "--run-id", "r1")
+    httpx.post(f"{second.url}/groups", timeout=300, json={"task_id": "t002", "n": 3, "sampling": SAMPLING})
+    second.proc.stop()
+    lines = (runs / "r1.jsonl").read_text().splitlines()
+    assert [json.loads(x)["task_id"] for x in lines] == ["t001", "t005", "t002"]
+
+    out = tmp_path / "sft.jsonl"
+    done = cli("export", "r1", "--runs-dir", str(runs), "--min-reward", "0", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    groups = {json.loads(x)["group_id"]: json.loads(x) for x in lines}
+    expected_turns = sum(1 for g in groups.values() for a in g["attempts"] if a["status"] == "scored"
+                         for t in a["turns"] if t["stage"] == "executor")
+    assert len(records) == expected_turns > 0 and f"kept {len(records)} turn(s)" in done.stdout
+    for record in records:
+        meta = record["meta"]
+        turn = groups[meta["group_id"]]["attempts"][meta["attempt"]]["turns"][meta["turn"]]
+        assert record["messages"][:-1] == turn["messages"]  # the prompt, exactly as the env sent it
+        assert record["messages"][-1] == {"role": "assistant", "content": turn["completion"]}
+
+    best = cli("export", str(runs / "r1.jsonl"), "--best-of-group", "--out", str(tmp_path / "best.jsonl"))
+    assert best.returncode == 0 and "not the best of their group" in best.stdout
+    best_attempts = {(json.loads(x)["meta"]["group_id"], json.loads(x)["meta"]["attempt"])
+                     for x in (tmp_path / "best.jsonl").read_text().splitlines()}
+    assert len({g for g, _ in best_attempts}) == len(best_attempts) <= 3
+    missing = cli("export", "nope", "--runs-dir", str(runs), "--out", str(tmp_path / "x.jsonl"))
+    assert missing.returncode == 2 and "r1" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_export_refuses_eval_side_and_unscored_with_counts(start_refenv, start_service, tmp_path):
+    evals = start_refenv("--pool", "2", "--split", "auto:0.8", "--side", "eval")
+    failing = start_refenv("--pool", "2", "--fail-rate", "1.0", "--seed", "4")
+    eval_task = httpx.get(f"{evals.url}/tasks").json()["tasks"][0]["task_id"]
+    runs = tmp_path / "runs"
+    on_eval = start_service([evals.url], "--runs-dir", str(runs), "--run-id", "eval-run")
+    refused = httpx.post(f"{on_eval.url}/groups", json={"task_id": eval_task, "n": 2, "sampling": SAMPLING})
+    assert refused.status_code == 409 and "allow_eval_side" in refused.json()["message"]
+    ok = httpx.post(f"{on_eval.url}/groups", timeout=300,
+                    json={"task_id": eval_task, "n": 2, "allow_eval_side": True, "sampling": SAMPLING})
+    assert ok.status_code == 200 and ok.json()["env"]["side"] == "eval"
+    on_eval.proc.stop()
+    done = cli("export", "eval-run", "--runs-dir", str(runs), "--out", str(tmp_path / "e.jsonl"))
+    assert done.returncode == 0 and "kept 0 turn(s)" in done.stdout
+    assert "dropped 2: attempts from an eval-side env" in done.stdout
+    loud = cli("export", "eval-run", "--runs-dir", str(runs), "--allow-eval-side", "--out", str(tmp_path / "e2.jsonl"))
+    assert "WARNING" in loud.stderr and "kept 0 turn(s)" not in loud.stdout
+
+    broken = start_service([failing.url], "--runs-dir", str(runs), "--run-id", "failing-run")
+    g = httpx.post(f"{broken.url}/groups", timeout=300, json={"task_id": "t005", "n": 3, "retries": 0,
+                                                              "sampling": SAMPLING}).json()
+    assert g["counts"]["scored"] == 0 and g["counts"]["failed"] == 3
+    broken.proc.stop()
+    done = cli("export", "failing-run", "--runs-dir", str(runs), "--out", str(tmp_path / "f.jsonl"))
+    assert "dropped 3: unscored attempts (env_failure)" in done.stdout and "kept 0 turn(s)" in done.stdout
+
+
+def test_measure_prints_an_interval_containing_the_observed_rate(start_refenv, vllm_url):
+    evals = start_refenv("--pool", "4", "--split", "auto:0.8", "--side", "eval")
+    done = cli("measure", "--env", evals.url, "--vllm", vllm_url, "--model", embedded_model.MODEL_NAME,
+               "--repeats", "2", "--limit", "3", "--max-tokens", "32", "--json")
+    assert done.returncode == 0, done.stderr
+    m = json.loads(done.stdout)
+    assert m["tasks"] == 3 and m["scheduled"] == 6
+    lo, hi = m["wilson95"]
+    assert lo <= m["pass_rate"] <= hi and 0 < m["resolution_floor"] <= 1
+    assert m["env"]["side"] == "eval" and m["env"]["catalog_hash"]
+    text = cli("measure", "--env", evals.url, "--vllm", vllm_url, "--model", embedded_model.MODEL_NAME,
+               "--repeats", "1", "--limit", "2", "--max-tokens", "16")
+    assert text.returncode == 0 and "Wilson interval" in text.stdout and "resolution floor" in text.stdout
