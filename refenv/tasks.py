@@ -54,19 +54,16 @@ def _templates() -> list[dict]:
 
     # Vocabulary: the closed sets are in the prompt, so a small model can pass without SQL.
     add("vocab-invoice-paid", "lookup", "easy", "text",
-        "Which invoices.status value marks an invoice that has been fully paid? "
-        f"The values are: {', '.join(INVOICE_STATUSES)}. Answer with the value only.",
+        f"Which status marks a fully paid invoice? Choose one of: {', '.join(INVOICE_STATUSES)}.",
         "SELECT 'paid'", turn_budget=2)
     add("vocab-order-arrived", "lookup", "easy", "text",
-        "Which orders.status value marks an order that reached the customer? "
-        f"The values are: {', '.join(ORDER_STATUSES)}. Answer with the value only.",
+        f"Which status marks an order that reached the customer? Choose one of: {', '.join(ORDER_STATUSES)}.",
         "SELECT 'delivered'", turn_budget=2)
     add("vocab-invoice-late", "lookup", "easy", "text",
-        "Which invoices.status value marks an invoice that is past its due date and unpaid? "
-        f"The values are: {', '.join(INVOICE_STATUSES)}. Answer with the value only.", "SELECT 'overdue'", turn_budget=2)
+        f"Which status marks an unpaid invoice past its due date? Choose one of: {', '.join(INVOICE_STATUSES)}.",
+        "SELECT 'overdue'", turn_budget=2)
     add("vocab-segment-large", "lookup", "easy", "text",
-        "Which customers.segment value is used for the largest corporate customers? "
-        f"The values are: {', '.join(SEGMENTS)}. Answer with the value only.",
+        f"Which customer segment holds the largest companies? Choose one of: {', '.join(SEGMENTS)}.",
         "SELECT 'enterprise'", turn_budget=2)
     for table in ("customers", "products", "orders", "invoices"):
         add("count-table", "counts", "easy", "int", f"How many rows does the {table} table have?",
@@ -79,6 +76,10 @@ def _templates() -> list[dict]:
         add("count-orders-by-status", "filters", "easy", "int",
             f"How many orders have status '{status}'?",
             f"SELECT COUNT(*) FROM orders WHERE status = '{status}'")
+    for category in ("books", "toys"):
+        add("count-products-by-category", "filters", "easy", "int",
+            f"How many products are in the '{category}' category?",
+            f"SELECT COUNT(*) FROM products WHERE category = '{category}'")
     for country in COUNTRIES[:4]:
         add("count-customers-by-country", "filters", "easy", "int",
             f"How many customers are in {country}?",
