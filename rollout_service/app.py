@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServiceConfig
-from .schemas import BatchRequest, ErrorBody, GroupRequest, GroupResult
 from .service import RequestError, RolloutService
+from .schemas import BatchRequest, ErrorBody, GroupRequest, GroupResult
 
 T = TypeVar("T")
 _ERRORS = {400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": ErrorBody},
@@ -110,6 +110,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
             await asyncio.wait([task])
             raise asyncio.CancelledError("client disconnected")
+        if task.cancelled():
+            raise RequestError(503, "shutting_down", "the service is shutting down; this group's episodes "
+                               "were abandoned and its worlds given back. Send it again to a running service")
         return task.result()
     finally:
         watcher.cancel()
@@ -124,13 +127,16 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+        # Called from the server's signal handler: stop every group now, abandoning its episodes,
+        # instead of waiting for groups that may run for minutes.
+        app.state.cancel_running = lambda: loop.call_soon_threadsafe(_cancel_all)
         await service.start()
         try:
             yield
         finally:
             # Shutdown: cancel every running group; their episodes are abandoned on the way out.
-            for task in list(running):
-                task.cancel()
+            _cancel_all()
             if running:
                 await asyncio.wait(running, timeout=30)
             await service.close()
@@ -152,6 +158,10 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
         return _error(exc.status, exc.error, exc.message)
+
+    def _cancel_all() -> None:
+        for task in list(running):
+            task.cancel()
 
     def _track(coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

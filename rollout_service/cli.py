@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import uvicorn
+
 from .config import ENV_VARS, ServiceConfig
 
 
@@ -51,6 +53,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-n", type=int, default=None, help=f"largest n accepted (default 64) [{ENV_VARS['max_n']}]")
     p.add_argument("--max-batch", type=int, default=None,
                    help=f"most groups in one batch (default 1024) [{ENV_VARS['max_batch']}]")
+    p.add_argument("--inference-timeout", type=float, default=None, metavar="SECONDS",
+                   help="deadline of one chat completion (default 300) [ROLLOUT_INFERENCE_TIMEOUT]")
     p.add_argument("--policy-stage", action="append", default=None, metavar="STAGE",
                    help=f"stage(s) the policy is trained on (default executor) [{ENV_VARS['policy_stage']}]")
     p.add_argument("--model-endpoint", action="append", default=None, metavar="NAME=URL[,OPTS]",
@@ -74,8 +78,6 @@ def _endpoints(specs: list[str] | None) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .app import create_app
     from .service import StartupError
 
@@ -97,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                                      if _env("max_requests_per_second") else None),
             max_n=args.max_n or int(_env("max_n") or 64), max_batch=args.max_batch or int(_env("max_batch") or 1024),
             policy_stages=args.policy_stage or _env_list("policy_stage") or ["executor"],
+            inference_timeout_s=args.inference_timeout or float(os.environ.get("ROLLOUT_INFERENCE_TIMEOUT") or 300),
             model_endpoints=_endpoints(args.model_endpoint), runs_dir=args.runs_dir or _env("runs_dir"),
             run_id=args.run_id or _env("run_id"))
         app = create_app(config)
@@ -109,10 +112,21 @@ def _serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"rollout-service serve: cannot start: {exc}", file=sys.stderr)
         return 1
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=20))
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=20))
     server.run()
     return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, made to abandon running groups as soon as SIGTERM/SIGINT arrives
+    rather than wait for groups that may run for minutes."""
+
+    def handle_exit(self, sig, frame):
+        cancel = getattr(self.config.app.state, "cancel_running", None)
+        if cancel is not None and not self.should_exit:
+            cancel()
+        super().handle_exit(sig, frame)
 
 
 async def _preflight(config: ServiceConfig) -> None:

@@ -1,0 +1,202 @@
+"""Faults with real processes: envs and vLLM killed and restarted, deadlines, shutdown, many trainers.
+
+Every test ends by checking the invariants: the pool was never exceeded (`max_leased`), no
+world is leased, scheduled = scored + failed, and the service answered /health throughout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from inference import embedded_model, local_server
+from rollout_service.stack import ManagedProcess, free_port
+
+SAMPLING = {"temperature": 0.8, "max_tokens": 24}
+
+
+class Background:
+    """POST a group from a thread; keep the response (or the exception)."""
+
+    def __init__(self, url: str, body: dict, timeout: float = 300) -> None:
+        self.response: httpx.Response | None = None
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, args=(url, body, timeout), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, body: dict, timeout: float) -> None:
+        try:
+            self.response = httpx.post(f"{url}/groups", json=body, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - kept for the test to inspect
+            self.error = exc
+
+    def join(self, timeout: float = 300) -> "Background":
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the group did not come back"
+        return self
+
+
+def wait_until(predicate, timeout_s: float, every_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(every_s)
+    return False
+
+
+def assert_accounted(group: dict) -> None:
+    c = group["counts"]
+    assert c["scheduled"] == group["n"] == c["scored"] + c["failed"] == len(group["attempts"])
+    for attempt in group["attempts"]:
+        if attempt["status"] == "scored":
+            assert attempt["reward"] is not None
+        else:
+            assert attempt["reward"] is None and attempt["failure"]["kind"], attempt
+
+
+def start_refenv_on(port: int, logs, *flags: str) -> ManagedProcess:
+    proc = ManagedProcess(f"refenv-{port}-{time.monotonic_ns()}", [
+        sys.executable, "-m", "refenv.cli", "serve", "--step", "--listen", f"127.0.0.1:{port}", *flags],
+        logs / f"refenv-{port}-{time.monotonic_ns()}.log")
+    proc.start()
+    proc.wait_http(f"http://127.0.0.1:{port}/health", 60)
+    return proc
+
+
+def test_env_killed_mid_group_and_restarted(start_service, logs_dir):
+    port = free_port()
+    env_url = f"http://127.0.0.1:{port}"
+    env = start_refenv_on(port, logs_dir, "--pool", "4", "--latency-ms", "1500")
+    try:
+        service = start_service([env_url])
+        running = Background(service.url, {"task_id": "t005", "n": 4, "retries": 1, "sampling": SAMPLING})
+        assert wait_until(lambda: httpx.get(f"{env_url}/health").json()["leased"] == 4, 60)
+        env.proc.kill()  # SIGKILL: no goodbye
+        env.proc.wait(10)
+        assert wait_until(lambda: httpx.get(f"{service.url}/health").json()["status"] == "degraded", 10)
+        group = running.join().response.json()
+        assert_accounted(group)
+        assert group["counts"]["failed"] >= 1
+        assert all(a["status"] in ("scored", "env_failure") for a in group["attempts"])
+        env = start_refenv_on(port, logs_dir, "--pool", "4")
+        assert httpx.get(f"{service.url}/health").json()["status"] == "ok"
+        again = httpx.post(f"{service.url}/groups", timeout=300,
+                           json={"task_id": "t005", "n": 2, "sampling": SAMPLING}).json()
+        assert_accounted(again)
+        assert again["counts"]["scored"] == 2
+        health = httpx.get(f"{env_url}/health").json()
+        assert health["leased"] == 0 and health["max_leased"] <= 4
+    finally:
+        env.stop()
+
+
+def test_sigterm_abandons_running_groups(start_refenv, start_service):
+    env = start_refenv("--pool", "4", "--latency-ms", "30000")
+    service = start_service([env.url])
+    running = Background(service.url, {"task_id": "t005", "n": 4, "sampling": SAMPLING})
+    assert wait_until(lambda: env.health()["leased"] == 4, 60)
+    sent = time.monotonic()
+    os.kill(service.proc.proc.pid, signal.SIGTERM)
+    assert wait_until(lambda: env.health()["leased"] == 0, 5)
+    assert time.monotonic() - sent < 5
+    running.join(30)
+    assert running.response is not None and running.response.status_code == 503
+    assert running.response.json()["error"] == "shutting_down"
+    service.proc.proc.wait(30)
+    # uvicorn re-raises the signal it handled once shutdown is complete: -SIGTERM is a clean exit.
+    assert service.proc.proc.returncode in (0, -signal.SIGTERM)
+    assert "Traceback" not in service.proc.log_path.read_text()
+    assert env.health()["episodes"]["abandoned"] == 4
+
+
+def test_many_trainers_beyond_the_pool_all_queue_nothing_refused(start_refenv, start_service):
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url])
+    trainers = [Background(service.url, {"task_id": t, "n": 3, "max_turns": 3, "sampling": SAMPLING})
+                for t in ("t001", "t002", "t003", "t004", "t019", "t020")]
+    saw_waiting = wait_until(lambda: httpx.get(f"{service.url}/health").json()["attempts_waiting_for_a_world"] > 0, 30)
+    groups = [t.join().response for t in trainers]
+    assert saw_waiting
+    assert all(r.status_code == 200 for r in groups)
+    for r in groups:
+        assert_accounted(r.json())
+    health = env.health()
+    assert health["max_leased"] == 2 and health["leased"] == 0
+
+
+def test_inference_deadline_marks_inference_failure(start_refenv, start_service):
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], "--inference-timeout", "0.3")
+    group = httpx.post(f"{service.url}/groups", timeout=120, json={
+        "task_id": "t005", "n": 2, "retries": 0, "sampling": {"temperature": 0.8, "max_tokens": 400}}).json()
+    assert_accounted(group)
+    assert [a["status"] for a in group["attempts"]] == ["inference_failure"] * 2
+    assert all(a["failure"]["kind"] == "timeout" for a in group["attempts"])
+    assert wait_until(lambda: env.health()["leased"] == 0, 3)
+    assert env.health()["episodes"]["abandoned"] == 2
+
+
+@pytest.fixture
+def own_vllm(logs_dir):
+    """A second vLLM server for this test alone, so killing it leaves the session's alone."""
+    port = free_port()
+    model_dir = embedded_model.prepare()
+    cmd = local_server.vllm_command(model_dir, served_name=embedded_model.MODEL_NAME, port=port,
+                                    extra=["--enforce-eager"])
+    procs: list[ManagedProcess] = []
+
+    def start() -> ManagedProcess:
+        proc = ManagedProcess(f"vllm-own-{len(procs)}", cmd, logs_dir / f"vllm-own-{len(procs)}.log",
+                              local_server.vllm_environment(kv_cache_gib=1))
+        procs.append(proc)
+        proc.start()
+        proc.wait_http(f"http://127.0.0.1:{port}/v1/models", 900)
+        return proc
+
+    yield f"http://127.0.0.1:{port}", start
+    for proc in procs:
+        proc.stop()
+
+
+def test_vllm_killed_mid_group_and_restarted(start_refenv, logs_dir, own_vllm):
+    url, start_vllm = own_vllm
+    vllm = start_vllm()
+    env = start_refenv("--pool", "4")
+    port = free_port()
+    service = ManagedProcess("service-own-vllm", [
+        sys.executable, "-m", "rollout_service.cli", "serve", "--env", env.url, "--vllm", url,
+        "--model", embedded_model.MODEL_NAME, "--listen", f"127.0.0.1:{port}"], logs_dir / "service-own-vllm.log")
+    service.start()
+    try:
+        service.wait_http(f"http://127.0.0.1:{port}/health", 60)
+        svc = f"http://127.0.0.1:{port}"
+        running = Background(svc, {"task_id": "t005", "n": 4, "retries": 0,
+                                   "sampling": {"temperature": 0.8, "max_tokens": 400}})
+        assert wait_until(lambda: env.health()["leased"] == 4, 60)
+        time.sleep(1.0)
+        vllm.stop(grace_s=0)
+        group = running.join().response.json()
+        assert_accounted(group)
+        failed = [a for a in group["attempts"] if a["status"] == "inference_failure"]
+        assert failed and all(a["failure"]["kind"] in ("unreachable", "server_error") for a in failed)
+        assert wait_until(lambda: env.health()["leased"] == 0, 3)
+        health = httpx.get(f"{svc}/health").json()
+        assert health["status"] == "degraded" and not health["models"][0]["ok"]
+        assert "unreachable" in health["models"][0]["error"]
+        start_vllm()  # back on the same port; the service recovers without a restart of its own
+        assert httpx.get(f"{svc}/health").json()["status"] == "ok"
+        again = httpx.post(f"{svc}/groups", timeout=300, json={"task_id": "t005", "n": 2, "sampling": SAMPLING}).json()
+        assert again["counts"]["scored"] == 2
+        assert env.health()["leased"] == 0 and env.health()["max_leased"] <= 4
+    finally:
+        service.stop()
