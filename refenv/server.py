@@ -169,6 +169,7 @@ class Environment:
             "capabilities": capabilities,
             # Additive, for testing drivers: GraphJin does not report these.
             "leased": self.pool.leased, "max_leased": self.pool.max_leased,
+            "busy_world_seconds": round(self.pool.busy_world_seconds, 3),
             "live_episodes": self.episodes.live,
             "episodes": {"started": counters.started, "finished": counters.finished,
                          "abandoned": counters.abandoned, "reclaimed": counters.reclaimed,

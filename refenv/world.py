@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import random
 import sqlite3
+import time
 from dataclasses import dataclass, field
 
 # Closed sets: the prompt lists them, tasks filter on them, write tasks move rows between them.
@@ -201,6 +202,8 @@ class WorldPool:
         self.size = size
         self.leased = 0
         self.max_leased = 0
+        self._busy_closed = 0.0  # world-seconds of leases that ended
+        self._lease_started: dict[int, float] = {}
         for index in range(size):
             self._free.put_nowait(World(index, self._fresh_connection()))
 
@@ -213,7 +216,14 @@ class WorldPool:
         world = await self._free.get()
         self.leased += 1
         self.max_leased = max(self.max_leased, self.leased)
+        self._lease_started[world.index] = time.monotonic()
         return world
+
+    @property
+    def busy_world_seconds(self) -> float:
+        """World-seconds leased so far, the leases still open included: utilisation's numerator."""
+        now = time.monotonic()
+        return self._busy_closed + sum(now - t for t in self._lease_started.values())
 
     def release(self, world: World) -> None:
         if world.dirty:
@@ -221,4 +231,5 @@ class WorldPool:
             world.conn.deserialize(self._image)
             world.dirty = False
         self.leased -= 1
+        self._busy_closed += time.monotonic() - self._lease_started.pop(world.index)
         self._free.put_nowait(world)

@@ -290,6 +290,51 @@ def _measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_loadtest(sub) -> None:
+    p = sub.add_parser("loadtest", help="drive a running service (on this machine) like a fleet of trainers")
+    p.add_argument("--service", default="http://127.0.0.1:8080", help="service URL (loopback only)")
+    p.add_argument("--trainers", type=int, default=4, help="concurrent trainers (default 4)")
+    p.add_argument("--batch", type=int, default=4, help="groups per batch request (default 4)")
+    p.add_argument("--n", type=int, default=8, help="attempts per group (default 8)")
+    p.add_argument("--tasks", default="t005,t019,t020,t001", help="comma-separated task ids to cycle through")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds to keep sending (default 60)")
+    p.add_argument("--count", type=int, default=None, help="stop after this many groups instead")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="bearer token from this variable")
+    p.add_argument("--json", type=Path, default=Path("results/loadtest.json"), help="report (default results/loadtest.json)")
+    p.add_argument("--plot", type=Path, default=None, help="draw throughput, latency and occupancy to this PNG")
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    import json
+
+    from .loadtest import LoadSpec, format_report, plot, run_load
+
+    if min(args.trainers, args.batch, args.n) < 1:
+        print("rollout-service loadtest: --trainers, --batch and --n must be at least 1", file=sys.stderr)
+        return 2
+    spec = LoadSpec(service=args.service.rstrip("/"), trainers=args.trainers, batch=args.batch, n=args.n,
+                    tasks=[t for t in args.tasks.split(",") if t], temperature=args.temperature,
+                    max_tokens=args.max_tokens, max_turns=args.max_turns,
+                    duration_s=None if args.count else args.duration, count=args.count,
+                    api_key=os.environ.get(args.api_key_env) if args.api_key_env else None)
+    try:
+        report = asyncio.run(run_load(spec))
+    except (ValueError, OSError) as exc:
+        print(f"rollout-service loadtest: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print(f"report: {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    return 0 if report["groups"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-service",
                                      description="vLLM-backed rollout service for RL post-training of agents")
@@ -300,12 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_vllm(sub)
     _add_export(sub)
     _add_measure(sub)
+    _add_loadtest(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    commands = {"serve": _serve, "demo": _demo, "up": _up, "vllm": _vllm, "export": _export, "measure": _measure}
+    commands = {"serve": _serve, "demo": _demo, "up": _up, "vllm": _vllm, "export": _export, "measure": _measure,
+                "loadtest": _loadtest}
     return commands[args.command](args)
 
 

@@ -6,8 +6,10 @@ world is leased, scheduled = scored + failed, and the service answered /health t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -200,3 +202,23 @@ def test_vllm_killed_mid_group_and_restarted(start_refenv, logs_dir, own_vllm):
         assert env.health()["leased"] == 0 and env.health()["max_leased"] <= 4
     finally:
         service.stop()
+
+
+def test_loadtest_reports_and_plots(start_refenv, start_service, tmp_path):
+    env = start_refenv("--pool", "4")
+    service = start_service([env.url])
+    out, png = tmp_path / "load.json", tmp_path / "load.png"
+    done = subprocess.run([sys.executable, "-m", "rollout_service.cli", "loadtest", "--service", service.url,
+                           "--trainers", "2", "--batch", "2", "--n", "2", "--count", "4", "--max-tokens", "16",
+                           "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["groups"] == 4 and report["attempts"] == 8 and report["error_count"] == 0
+    assert set(report["group_latency_s"]) == {"p50", "p90", "p99", "max"}
+    e = report["envs"][env.url]
+    assert e["max_leased_env"] <= 4 and e["leased_at_end"] == 0 and 0 < e["utilisation_service"] <= 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "groups/s" in done.stdout
+    remote = subprocess.run([sys.executable, "-m", "rollout_service.cli", "loadtest", "--service",
+                             "http://10.1.2.3:8080", "--count", "1"], capture_output=True, text=True, timeout=60)
+    assert remote.returncode == 2 and "loopback" in remote.stderr
