@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.setup-done
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check $(FIND_LINKS)
 
-.PHONY: setup demo test up bench clean
+.PHONY: setup demo test up tools clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,14 @@ demo: setup
 up: setup
 	$(BIN)/rollout-service up
 
-test: setup
+test: setup tools
 	$(BIN)/python -m pytest -ra
+
+# The compose validator the tests use: Debian's docker-compose, installed where we may (root, apt).
+tools:
+	@command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null) \
+	  || echo "note: docker-compose not installed; the compose check will be skipped"; }
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

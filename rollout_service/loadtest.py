@@ -117,9 +117,13 @@ async def _trainer(http: httpx.AsyncClient, spec: LoadSpec, index: int, tally: _
                         tally.errors.append(f"group failed: {item['error'].get('message', '')[:200]}")
                         continue
                     g = item["group"]
-                    tally.groups.append({"t": time.monotonic() - tally.started, "latency_s": g["wall_s"],
-                                         "tokens": g["completion_tokens"],
-                                         "statuses": [a["status"] for a in g["attempts"]]})
+                    counts = g["counts"]
+                    tally.groups.append({
+                        "t": time.monotonic() - tally.started, "latency_s": g["wall_s"],
+                        "tokens": g["completion_tokens"], "statuses": [a["status"] for a in g["attempts"]],
+                        "accounted": counts["scheduled"] == counts["scored"] + counts["failed"] == len(g["attempts"]),
+                        "unexplained": sum(1 for a in g["attempts"] if a["status"] != "scored"
+                                           and not (a.get("failure") or {}).get("kind"))})
         except httpx.HTTPError as exc:
             tally.errors.append(f"transport: {type(exc).__name__}: {exc}"[:200])
             await asyncio.sleep(1.0)
@@ -198,7 +202,9 @@ def _summarize(spec: LoadSpec, tally: _Tally, wall: float, pools: dict, before: 
                             "p90": round(float(np.percentile(latencies, 90)), 3),
                             "p99": round(float(np.percentile(latencies, 99)), 3),
                             "max": round(float(latencies.max()), 3)},
-        "attempt_status": statuses, "envs": envs, "errors": tally.errors[:50], "error_count": len(tally.errors),
+        "attempt_status": statuses, "groups_sent": tally.sent,
+        "groups_not_accounted": sum(1 for g in tally.groups if not g["accounted"]),
+        "failures_without_reason": sum(g["unexplained"] for g in tally.groups), "envs": envs, "errors": tally.errors[:50], "error_count": len(tally.errors),
         "timeline": {"groups": tally.groups, "samples": tally.samples},
     }
 

