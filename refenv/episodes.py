@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from .agent import AgentOptions, Ask, InjectedFault, Reply, run_agent
-from .grading import EpisodeRecord, grade
+from .grading import EpisodeRecord, failure_score, grade
 from .tasks import Task
 from .world import World, WorldPool, table_rows
 
@@ -192,15 +192,7 @@ class EpisodeTable:
             self.pool.release(episode.world)
 
     def _failed_final(self, episode: Episode, category: str, detail: str = "") -> dict:
-        record = episode.record
-        score = {"vector": {"safety": True, "behavior": False, "efficiency": 0.0, "reward": 0.0},
-                 "pass": False, "failure_category": category,
-                 "tokens": {"prompt": record.prompt_tokens, "completion": record.completion_tokens,
-                            "total": record.prompt_tokens + record.completion_tokens,
-                            "llm_calls": record.llm_calls},
-                 "actor_turns": record.actor_turns}
-        if detail:
-            score["failure_detail"] = detail[:500]
+        score = failure_score(episode.record, category, detail)
         return final_form(episode.episode_id, episode.task, "failed", None, score)
 
 

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from . import __version__
 from .agent import AgentOptions, Reply, run_agent
 from .episodes import ContractError, EpisodeTable, SupportModelError
-from .grading import PROFILES, REWARD_VERSION, EpisodeRecord, grade
+from .grading import PROFILES, REWARD_VERSION, EpisodeRecord, failure_score, grade
 from .support import SupportModel
 from .tasks import Split, Task, build_suite, parse_split
 from .world import WorldPool, build_database, catalog_hash, table_rows
@@ -275,8 +275,7 @@ async def _hosted_episode(env: Environment, task: Task, profile: str, include_tr
             score = await asyncio.to_thread(grade, task, world, env.pristine_rows, record, profile)
             status = "completed" if record.answer is not None else "no_answer"
         except SupportModelError as exc:
-            score = {"vector": {"safety": True, "behavior": False, "efficiency": 0.0, "reward": 0.0},
-                     "pass": False, "failure_category": "transport_error", "failure_detail": str(exc)[:500]}
+            score = failure_score(record, "transport_error", str(exc))
             status = "failed"
     finally:
         env.pool.release(world)

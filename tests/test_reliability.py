@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from helpers import wait_until
 from inference import embedded_model, local_server
 from rollout_service.stack import ManagedProcess, free_port
 
@@ -42,18 +43,6 @@ class Background:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the group did not come back"
         return self
-
-
-def wait_until(predicate, timeout_s: float, every_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(every_s)
-    return False
 
 
 def assert_accounted(group: dict) -> None:

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from helpers import wait_until
 from inference import embedded_model
 from rollout_service.client import AsyncRolloutClient, RolloutClient, RolloutError
 
@@ -18,15 +19,6 @@ VARIANCE_TASKS = ("t001", "t005", "t009", "t002")
 
 def group(service_url: str, timeout: float = 300, **body) -> httpx.Response:
     return httpx.post(f"{service_url}/groups", json=body, timeout=timeout)
-
-
-def wait_until(predicate, timeout_s: float = 5.0, every_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every_s)
-    return predicate()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# End to end under Docker, with no image registry: build a stand-in base image from Debian's
+# packages, build the project's images, bring up the CPU variant (vLLM's CPU build + refenv +
+# the service), send a POST /groups through the service, check the group, take everything down.
+#
+#   sudo docker/e2e.sh          (root: it may install docker.io and debootstrap, and start dockerd)
+#
+# Logs go to results/logs/; the group it got back to results/e2e-group.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+LOGS=$ROOT/results/logs
+mkdir -p "$LOGS"
+COMPOSE="docker-compose -f docker/compose.cpu.yaml"
+say() { echo "$(date +%H:%M:%S) [e2e] $*"; }
+
+[ "$(id -u)" = 0 ] || { echo "e2e: run as root (it manages the Docker engine)"; exit 2; }
+
+# 1. An engine. overlay is not available on these machines: vfs works (and copies every layer).
+if ! docker info >/dev/null 2>&1; then
+  command -v dockerd >/dev/null || { say "installing docker.io"; apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io >/dev/null; }
+  say "starting dockerd (vfs storage)"
+  nohup dockerd --storage-driver=vfs >"$LOGS/dockerd.log" 2>&1 &
+  for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || { echo "e2e: dockerd did not start; see $LOGS/dockerd.log"; exit 1; }
+fi
+command -v docker-compose >/dev/null || { apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
+
+# 2. The base image, made from Debian's packages when no registry can give it.
+if ! docker image inspect python:3.11-slim >/dev/null 2>&1; then
+  command -v debootstrap >/dev/null || { apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
+  BASE=$(mktemp -d)
+  say "building a stand-in python:3.11-slim with debootstrap (about a minute)"
+  debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,ca-certificates bookworm "$BASE" >"$LOGS/debootstrap.log" 2>&1
+  rm -f "$BASE"/usr/lib/python3.11/EXTERNALLY-MANAGED
+  ln -sf python3 "$BASE/usr/bin/python"
+  cp /etc/ssl/certs/ca-certificates.crt "$BASE/etc/ssl/certs/ca-certificates.crt"
+  tar -C "$BASE" -c . | docker import -c 'CMD ["python3"]' - python:3.11-slim >/dev/null
+  rm -rf "$BASE"
+fi
+
+# 3. vLLM's CPU build needs torch 2.13.0+cpu, which is not on the package index: a local wheelhouse.
+mkdir -p docker/wheelhouse
+if ! ls docker/wheelhouse/torch-2.13.0* >/dev/null 2>&1; then
+  say "filling docker/wheelhouse with torch 2.13.0+cpu"
+  python3 -m pip download -q --no-deps -d docker/wheelhouse torch==2.13.0
+fi
+
+cleanup() { say "taking everything down"; $COMPOSE down -v >"$LOGS/e2e-down.log" 2>&1 || true; }
+trap cleanup EXIT
+
+say "building images (the vLLM CPU image is large: several minutes)"
+$COMPOSE build >"$LOGS/e2e-build.log" 2>&1 || { tail -30 "$LOGS/e2e-build.log"; exit 1; }
+say "docker compose up (vLLM prepares the model and compiles at first start: a few minutes)"
+$COMPOSE up -d >"$LOGS/e2e-up.log" 2>&1 || { tail -30 "$LOGS/e2e-up.log"; exit 1; }
+for i in $(seq 180); do
+  curl -fs http://127.0.0.1:8080/health >/dev/null 2>&1 && break
+  [ $((i % 6)) = 0 ] && say "waiting for the service ($((i * 5))s): $($COMPOSE ps 2>/dev/null | tail -n +3 | awk '{print $1": "$NF}' | tr '\n' ' ')"
+  sleep 5
+done
+curl -fs http://127.0.0.1:8080/health >/dev/null || { $COMPOSE logs --tail 40 >"$LOGS/e2e-compose.log" 2>&1; echo "e2e: the service never became healthy; see $LOGS/e2e-compose.log"; exit 1; }
+
+say "POST /groups through the service"
+curl -fs http://127.0.0.1:8080/groups -H 'content-type: application/json' \
+  -d '{"task_id": "t019", "n": 4, "sampling": {"temperature": 0.8, "max_tokens": 48}}' >results/e2e-group.json
+python3 - <<'PY'
+import json
+g = json.load(open("results/e2e-group.json"))
+c = g["counts"]
+assert c["scheduled"] == 4 == c["scored"] + c["failed"], c
+assert any(t["completion_token_ids"] for a in g["attempts"] for t in a["turns"]), "no token ids"
+print(f"e2e: group {g['group_id']} on {g['task_id']}: rewards {g['rewards']}, scored {c['scored']}/{c['scheduled']}, "
+      f"model {g['model']}, env dataset {g['env']['catalog_hash']}")
+PY
+curl -fs http://127.0.0.1:8090/health | python3 -c "import json,sys; h=json.load(sys.stdin); assert h['leased']==0, h; print('e2e: env leased 0, max_leased', h['max_leased'])"
+say "OK"
