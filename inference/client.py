@@ -7,9 +7,8 @@ A server that does not return them (another OpenAI-compatible server) yields `No
 
 from __future__ import annotations
 
-import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -226,29 +225,3 @@ def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
     return ChatResult(endpoint=endpoint, model=data.get("model", model), prompt_token_ids=prompt_ids,
                       prompt_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or ())),
                       choices=choices, latency_s=latency)
-
-
-@dataclass
-class ModelRoute:
-    """A named model on a set of replicas: what a stage's completion is asked of."""
-
-    name: str
-    client: ChatClient
-    trainable_source: bool = True  # token ids and logprobs come back (vLLM)
-    extra: dict = field(default_factory=dict)
-
-
-async def wait_ready(url: str, timeout_s: float, poll_s: float = 1.0) -> list[str]:
-    """Poll `url/v1/models` until it answers; returns the model names. Raises TimeoutError."""
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=5.0) as http:
-        while True:
-            try:
-                response = await http.get(f"{_base(url)}/v1/models")
-                if response.status_code == 200:
-                    return [m["id"] for m in response.json().get("data", [])]
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} did not answer /v1/models within {timeout_s:g}s")
-            await asyncio.sleep(poll_s)

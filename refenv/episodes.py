@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .agent import AgentOptions, Ask, InjectedFault, Reply, run_agent
 from .grading import EpisodeRecord, failure_score, grade
 from .tasks import Task
-from .world import World, WorldPool, table_rows
+from .world import World, WorldPool
 
 
 class ContractError(Exception):

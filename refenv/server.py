@@ -133,7 +133,6 @@ class Environment:
             self.pool, self.pristine_rows, step_timeout=settings.step_timeout_s,
             latency_s=settings.latency_ms / 1000, fail_rate=settings.fail_rate, seed=settings.seed,
             responder=settings.responder, support_ask=self.support)
-        self._started = time.time()
 
     def find_task(self, body: ResetBody) -> Task:
         if body.task_id:
