@@ -144,7 +144,7 @@ def _add_vllm(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="host (default 127.0.0.1)")
     p.add_argument("--eager", action="store_true",
-                   help="no torch.compile (vLLM's --enforce-eager): starts without a C++ compiler, runs slower")
+                   help="do not compile the model (vLLM's --enforce-eager): starts faster, runs slower")
 
 
 def _vllm(args: argparse.Namespace) -> int:
