@@ -30,8 +30,9 @@ command -v docker-compose >/dev/null || { apt-get update -qq; DEBIAN_FRONTEND=no
 if ! docker image inspect python:3.11-slim >/dev/null 2>&1; then
   command -v debootstrap >/dev/null || { apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
   BASE=$(mktemp -d)
+  # python3-dev: the official image ships the headers, and the CPU vLLM compiles its sampler with them.
   say "building a stand-in python:3.11-slim with debootstrap (about a minute)"
-  debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,ca-certificates bookworm "$BASE" >"$LOGS/debootstrap.log" 2>&1
+  debootstrap --variant=minbase --include=python3,python3-dev,python3-pip,python3-venv,ca-certificates bookworm "$BASE" >"$LOGS/debootstrap.log" 2>&1
   chmod 755 "$BASE"  # mktemp -d made it 0700: as the image's /, no other user could enter it
   rm -f "$BASE"/usr/lib/python3.11/EXTERNALLY-MANAGED
   ln -sf python3 "$BASE/usr/bin/python"
