@@ -136,10 +136,22 @@ class EnvClient:
         return [EnvTask.model_validate(t) for t in data.get("tasks", [])]
 
     async def reset(self, task_id: str, reward_profile: str | None = None) -> StepAnswer:
+        """Start an episode. If the caller is cancelled meanwhile, the reset still completes and
+        its episode is abandoned: the env starts it either way, and only its id can give it back."""
         body: dict[str, Any] = {"task_id": task_id}
         if reward_profile:
             body["reward_profile"] = reward_profile
-        return StepAnswer.model_validate(await self._call("POST", "/step/reset", json=body))
+        call = asyncio.ensure_future(self._call("POST", "/step/reset", json=body))
+        try:
+            data = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            await asyncio.wait([call])
+            if not call.cancelled() and call.exception() is None:
+                episode_id = call.result().get("episode_id")
+                if episode_id and not call.result().get("done"):
+                    await self.abandon_quietly(str(episode_id))
+            raise
+        return StepAnswer.model_validate(data)
 
     async def step(self, episode_id: str, completion: str, prompt_tokens: int,
                    completion_tokens: int) -> StepAnswer:

@@ -32,7 +32,6 @@ class Route:
 
     model: str
     client: ChatClient
-    token_ids: bool = True
     served_model: str | None = None  # the name the server knows it by, when it differs
 
     @property
@@ -197,7 +196,7 @@ class GroupRunner:
             clock.inference += time.monotonic() - started
         self.metrics.inference_latency.observe(time.monotonic() - started)
         choice = result.choices[0]
-        has_ids = route.token_ids and choice.completion_token_ids is not None and result.prompt_token_ids is not None
+        has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
         completion_tokens = len(choice.completion_token_ids) if choice.completion_token_ids is not None else 0
         self.metrics.tokens.labels(kind="completion").inc(completion_tokens)
         self.metrics.tokens.labels(kind="prompt").inc(result.prompt_tokens)

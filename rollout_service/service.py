@@ -61,7 +61,7 @@ class RolloutService:
             name: Route(name, ChatClient([spec.url], api_key=spec.api_key(), timeout_s=config.inference_timeout_s,
                                          max_requests_per_second=config.max_requests_per_second,
                                          token_ids=spec.token_ids),
-                        token_ids=spec.token_ids, served_model=spec.model)
+                        served_model=spec.model)
             for name, spec in config.model_endpoints.items()}
         if config.run_id:
             self.run_id = config.run_id
