@@ -31,7 +31,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference.embedded_model import MODEL_NAME  # noqa: E402
 from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT  # noqa: E402
-from rollout_service.stack import ManagedProcess, free_port  # noqa: E402
+from rollout_service.stack import ManagedProcess, free_port, refenv_command, service_command  # noqa: E402
 
 LOGS = Path("results/logs")
 TASKS = ["t005", "t019", "t020", "t006", "t001", "t009"]
@@ -42,13 +42,11 @@ class Stack:
 
     def __init__(self, vllm: str, pool: int, latency_ms: int = 0, service_flags: tuple[str, ...] = ()) -> None:
         self.env_port, self.svc_port = free_port(), free_port()
-        self.env = ManagedProcess("bench-refenv", [sys.executable, "-m", "refenv.cli", "serve", "--step", "--pool",
-                                                   str(pool), "--latency-ms", str(latency_ms), "--listen",
-                                                   f"127.0.0.1:{self.env_port}"], LOGS / "bench-refenv.log")
-        self.svc = ManagedProcess("bench-service", [sys.executable, "-m", "rollout_service.cli", "serve", "--env",
-                                                    self.env_url, "--vllm", vllm, "--model", MODEL_NAME, "--listen",
-                                                    f"127.0.0.1:{self.svc_port}", "--max-n", "64",
-                                                    "--max-batch", "1024", *service_flags], LOGS / "bench-service.log")
+        self.env = ManagedProcess("bench-refenv", refenv_command(self.env_port, "--pool", str(pool), "--latency-ms",
+                                                                 str(latency_ms)), LOGS / "bench-refenv.log")
+        self.svc = ManagedProcess("bench-service", service_command(self.svc_port, [self.env_url], vllm, "--max-n", "64",
+                                                                   "--max-batch", "1024", *service_flags),
+                                  LOGS / "bench-service.log")
         self.pool = pool
 
     @property

@@ -22,9 +22,8 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inference.embedded_model import MODEL_NAME  # noqa: E402
 from rollout_service.loadtest import LoadSpec, format_report, run_load  # noqa: E402
-from rollout_service.stack import ManagedProcess, free_port  # noqa: E402
+from rollout_service.stack import ManagedProcess, free_port, refenv_command, service_command  # noqa: E402
 
 
 def main() -> int:
@@ -37,12 +36,9 @@ def main() -> int:
     logs = Path("results/logs")
     env_port, svc_port = free_port(), free_port()
     env_url, svc_url = f"http://127.0.0.1:{env_port}", f"http://127.0.0.1:{svc_port}"
-    env = ManagedProcess("soak-refenv", [sys.executable, "-m", "refenv.cli", "serve", "--step", "--pool", str(args.pool),
-                                         "--fail-rate", str(args.fail_rate), "--seed", "11",
-                                         "--listen", f"127.0.0.1:{env_port}"], logs / "soak-refenv.log")
-    svc = ManagedProcess("soak-service", [sys.executable, "-m", "rollout_service.cli", "serve", "--env", env_url,
-                                          "--vllm", args.vllm, "--model", MODEL_NAME,
-                                          "--listen", f"127.0.0.1:{svc_port}"], logs / "soak-service.log")
+    env = ManagedProcess("soak-refenv", refenv_command(env_port, "--pool", str(args.pool), "--fail-rate",
+                                                       str(args.fail_rate), "--seed", "11"), logs / "soak-refenv.log")
+    svc = ManagedProcess("soak-service", service_command(svc_port, [env_url], args.vllm), logs / "soak-service.log")
     memory: list[tuple[float, float]] = []
     health_failures = 0
     stop = threading.Event()

@@ -74,7 +74,13 @@ import json
 g = json.load(open("results/e2e-group.json"))
 c = g["counts"]
 assert c["scheduled"] == 4 == c["scored"] + c["failed"], c
-assert any(t["completion_token_ids"] for a in g["attempts"] for t in a["turns"]), "no token ids"
+turns = [t for a in g["attempts"] for t in a["turns"]]
+assert turns and all(t["prompt_token_ids"] and t["completion_token_ids"]
+                     and len(t["logprobs"]) == len(t["completion_token_ids"]) for t in turns), "a turn lacks token ids"
+# Every attempt must have reached vLLM and been generated: an inference failure here is the stack broken.
+bad = [(a["status"], a.get("failure")) for a in g["attempts"] if a["status"] == "inference_failure"]
+assert not bad, bad
+assert c["scored"] >= 1, c
 print(f"e2e: group {g['group_id']} on {g['task_id']}: rewards {g['rewards']}, scored {c['scored']}/{c['scheduled']}, "
       f"model {g['model']}, env dataset {g['env']['catalog_hash']}")
 PY

@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import httpx
 
@@ -26,6 +26,22 @@ def free_port() -> int:
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         return s.connect_ex((host, port)) == 0
+
+
+def refenv_command(port: int, *flags: str, step: bool = True) -> list[str]:
+    """`refenv serve` on loopback `port`, in step mode unless `step=False`; `flags` are serve's own."""
+    return [sys.executable, "-m", "refenv.cli", "serve", *(["--step"] if step else []),
+            "--listen", f"127.0.0.1:{port}", *flags]
+
+
+def service_command(port: int, envs: Sequence[str], vllm: str, *flags: str,
+                    model: str = embedded_model.MODEL_NAME) -> list[str]:
+    """`rollout-service serve` on loopback `port`, wired to `envs` and the vLLM at `vllm`."""
+    cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm", vllm, "--model", model,
+           "--listen", f"127.0.0.1:{port}"]
+    for url in envs:
+        cmd += ["--env", url]
+    return cmd + list(flags)
 
 
 class StackError(Exception):
@@ -147,16 +163,13 @@ class LocalStack:
         self.say(f"[vllm] ready at {self.urls['vllm']}")
 
     def start_refenv(self) -> None:
-        cmd = [sys.executable, "-m", "refenv.cli", "serve", "--step", "--pool", str(self.pool),
-               "--listen", f"127.0.0.1:{self.refenv_port}", *self.refenv_args]
-        proc = self._spawn("refenv", cmd)
+        proc = self._spawn("refenv", refenv_command(self.refenv_port, "--pool", str(self.pool), *self.refenv_args))
         proc.wait_http(f"{self.urls['env']}/health", timeout_s=60)
         self.say(f"[refenv] ready at {self.urls['env']} (pool {self.pool})")
 
     def start_service(self) -> None:
-        cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--env", self.urls["env"],
-               "--vllm", self.urls["vllm"], "--model", self.model,
-               "--listen", f"127.0.0.1:{self.service_port}", *self.service_args]
+        cmd = service_command(self.service_port, [self.urls["env"]], self.urls["vllm"], *self.service_args,
+                              model=self.model)
         proc = self._spawn("service", cmd)
         proc.wait_http(f"{self.urls['service']}/health", timeout_s=60)
         self.say(f"[service] ready at {self.urls['service']}")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from inference import embedded_model, local_server
-from rollout_service.stack import ManagedProcess, free_port
+from rollout_service.stack import ManagedProcess, free_port, refenv_command, service_command
 
 MODEL = embedded_model.MODEL_NAME
 
@@ -62,9 +62,7 @@ def start_refenv(logs_dir, request):
     def start(*flags: str, step: bool = True) -> Running:
         port = free_port()
         name = f"refenv-{request.node.name[:40]}-{len(started)}"
-        mode = ["--step"] if step else []
-        proc = ManagedProcess(name, [sys.executable, "-m", "refenv.cli", "serve", *mode,
-                                     "--listen", f"127.0.0.1:{port}", *flags], logs_dir / f"{name}.log")
+        proc = ManagedProcess(name, refenv_command(port, *flags, step=step), logs_dir / f"{name}.log")
         started.append(proc)
         proc.start()
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=60)
@@ -83,11 +81,7 @@ def start_service(logs_dir, request, vllm_url):
     def start(envs: list[str], *flags: str, env: dict | None = None, wait: bool = True) -> Running:
         port = free_port()
         name = f"service-{request.node.name[:40]}-{len(started)}"
-        cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm", vllm_url, "--model", MODEL,
-               "--listen", f"127.0.0.1:{port}", *flags]
-        for url in envs:
-            cmd += ["--env", url]
-        proc = ManagedProcess(name, cmd, logs_dir / f"{name}.log", {**os.environ, **(env or {})})
+        proc = ManagedProcess(name, service_command(port, envs, vllm_url, *flags, model=MODEL), logs_dir / f"{name}.log", {**os.environ, **(env or {})})
         started.append(proc)
         proc.start()
         if wait:

@@ -19,7 +19,7 @@ import pytest
 
 from helpers import wait_until
 from inference import embedded_model, local_server
-from rollout_service.stack import ManagedProcess, free_port
+from rollout_service.stack import ManagedProcess, free_port, refenv_command, service_command
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 
@@ -56,9 +56,8 @@ def assert_accounted(group: dict) -> None:
 
 
 def start_refenv_on(port: int, logs, *flags: str) -> ManagedProcess:
-    proc = ManagedProcess(f"refenv-{port}-{time.monotonic_ns()}", [
-        sys.executable, "-m", "refenv.cli", "serve", "--step", "--listen", f"127.0.0.1:{port}", *flags],
-        logs / f"refenv-{port}-{time.monotonic_ns()}.log")
+    name = f"refenv-{port}-{time.monotonic_ns()}"
+    proc = ManagedProcess(name, refenv_command(port, *flags), logs / f"{name}.log")
     proc.start()
     proc.wait_http(f"http://127.0.0.1:{port}/health", 60)
     return proc
@@ -164,9 +163,7 @@ def test_vllm_killed_mid_group_and_restarted(start_refenv, logs_dir, own_vllm):
     vllm = start_vllm()
     env = start_refenv("--pool", "4")
     port = free_port()
-    service = ManagedProcess("service-own-vllm", [
-        sys.executable, "-m", "rollout_service.cli", "serve", "--env", env.url, "--vllm", url,
-        "--model", embedded_model.MODEL_NAME, "--listen", f"127.0.0.1:{port}"], logs_dir / "service-own-vllm.log")
+    service = ManagedProcess("service-own-vllm", service_command(port, [env.url], url), logs_dir / "service-own-vllm.log")
     service.start()
     try:
         service.wait_http(f"http://127.0.0.1:{port}/health", 60)
