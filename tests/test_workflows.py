@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import httpx
 
 from inference import embedded_model
+from rollout_service.stack import port_in_use
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 32}
 
 
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 600, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rollout_service.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 def test_teacher_and_policy_side_by_side(start_refenv, start_service, vllm_url):
@@ -116,3 +118,22 @@ def test_measure_prints_an_interval_containing_the_observed_rate(start_refenv, v
     text = cli("measure", "--env", evals.url, "--vllm", vllm_url, "--model", embedded_model.MODEL_NAME,
                "--repeats", "1", "--limit", "2", "--max-tokens", "16")
     assert text.returncode == 0 and "Wilson interval" in text.stdout and "resolution floor" in text.stdout
+
+
+def test_demo_runs_groups_and_stops_what_it_started(vllm_url, tmp_path):
+    """The README's first command, on the session's vLLM (the demo starts its own refenv and service)."""
+    out = tmp_path / "demo.json"
+    done = cli("demo", "--vllm", vllm_url, "--groups", "2", "--n", "4", "--pool", "4", "--max-tokens", "48",
+               "--json", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    groups = json.loads(out.read_text())["groups"]
+    assert len(groups) == 2
+    for group in groups:
+        c = group["counts"]
+        assert c["scheduled"] == 4 == c["scored"] + c["failed"] == len(group["attempts"])
+    assert "0 held now" in done.stdout
+    started = re.findall(r"\[(?:refenv|service)\] ready at (http://\S+)", done.stdout)
+    assert len(started) == 2, done.stdout
+    for url in started:
+        port = int(url.rsplit(":", 1)[1])
+        assert not port_in_use(port), f"{url} still answers after the demo ended"
