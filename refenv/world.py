@@ -200,10 +200,9 @@ class WorldPool:
         self._image = pristine.serialize()
         self._free: asyncio.Queue[World] = asyncio.Queue()
         self.size = size
-        self.leased = 0
         self.max_leased = 0
         self._busy_closed = 0.0  # world-seconds of leases that ended
-        self._lease_started: dict[int, float] = {}
+        self._lease_started: dict[int, float] = {}  # world index -> when its open lease began
         for index in range(size):
             self._free.put_nowait(World(index, self._fresh_connection()))
 
@@ -214,10 +213,13 @@ class WorldPool:
 
     async def acquire(self) -> World:
         world = await self._free.get()
-        self.leased += 1
-        self.max_leased = max(self.max_leased, self.leased)
         self._lease_started[world.index] = time.monotonic()
+        self.max_leased = max(self.max_leased, self.leased)
         return world
+
+    @property
+    def leased(self) -> int:
+        return len(self._lease_started)
 
     @property
     def busy_world_seconds(self) -> float:
@@ -230,6 +232,5 @@ class WorldPool:
             # Writes must never leak into the next lease: reload the pristine image.
             world.conn.deserialize(self._image)
             world.dirty = False
-        self.leased -= 1
         self._busy_closed += time.monotonic() - self._lease_started.pop(world.index)
         self._free.put_nowait(world)

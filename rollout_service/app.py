@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServiceConfig
-from .service import RequestError, RolloutService
 from .schemas import BatchRequest, ErrorBody, GroupRequest, GroupResult
+from .service import RequestError, RolloutService
 
 T = TypeVar("T")
 _ERRORS = {400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 409: {"model": ErrorBody},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .config import ENV_VARS, ServiceConfig
+from .config import ENV_VARS, EndpointSpec, ServiceConfig
 
 
 def _env_list(name: str) -> list[str] | None:
@@ -54,7 +54,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-batch", type=int, default=None,
                    help=f"most groups in one batch (default 1024) [{ENV_VARS['max_batch']}]")
     p.add_argument("--inference-timeout", type=float, default=None, metavar="SECONDS",
-                   help="deadline of one chat completion (default 300) [ROLLOUT_INFERENCE_TIMEOUT]")
+                   help=f"deadline of one chat completion (default 300) [{ENV_VARS['inference_timeout']}]")
     p.add_argument("--policy-stage", action="append", default=None, metavar="STAGE",
                    help=f"stage(s) the policy is trained on (default executor) [{ENV_VARS['policy_stage']}]")
     p.add_argument("--model-endpoint", action="append", default=None, metavar="NAME=URL[,OPTS]",
@@ -69,11 +69,8 @@ def _add_serve(sub) -> None:
 
 
 def _endpoints(specs: list[str] | None) -> dict:
-    from .config import EndpointSpec
-
     if not specs:
-        raw = os.environ.get(ENV_VARS["model_endpoint"], "")
-        specs = [s for s in raw.split(";") if s.strip()]
+        specs = [s for s in (_env("model_endpoint") or "").split(";") if s.strip()]
     return dict(EndpointSpec.parse(spec) for spec in specs)
 
 
@@ -99,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                                      if _env("max_requests_per_second") else None),
             max_n=args.max_n or int(_env("max_n") or 64), max_batch=args.max_batch or int(_env("max_batch") or 1024),
             policy_stages=args.policy_stage or _env_list("policy_stage") or ["executor"],
-            inference_timeout_s=args.inference_timeout or float(os.environ.get("ROLLOUT_INFERENCE_TIMEOUT") or 300),
+            inference_timeout_s=args.inference_timeout or float(_env("inference_timeout") or 300),
             model_endpoints=_endpoints(args.model_endpoint), runs_dir=args.runs_dir or _env("runs_dir"),
             run_id=args.run_id or _env("run_id"))
         app = create_app(config)
@@ -226,7 +223,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="write SFT records from a run log (distillation, rejection sampling)")
     p.add_argument("run", help="a run id (in --runs-dir) or a path to a run log (.jsonl)")
-    p.add_argument("--runs-dir", type=Path, default=Path(os.environ.get(ENV_VARS["runs_dir"], "runs")),
+    p.add_argument("--runs-dir", type=Path, default=Path(_env("runs_dir") or "runs"),
                    help="where run logs are (default runs, or $ROLLOUT_RUNS_DIR)")
     p.add_argument("--stage", default="executor", help="the stage whose turns to keep (default executor)")
     p.add_argument("--min-reward", type=float, default=0.0, help="keep attempts with reward >= this (default 0)")

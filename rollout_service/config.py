@@ -71,6 +71,7 @@ ENV_VARS = {
     "max_n": "ROLLOUT_MAX_N",
     "max_batch": "ROLLOUT_MAX_BATCH",
     "policy_stage": "ROLLOUT_POLICY_STAGES",
+    "inference_timeout": "ROLLOUT_INFERENCE_TIMEOUT",
     "model_endpoint": "ROLLOUT_MODEL_ENDPOINTS",
     "runs_dir": "ROLLOUT_RUNS_DIR",
     "run_id": "ROLLOUT_RUN_ID",

@@ -147,9 +147,9 @@ class EnvClient:
         except asyncio.CancelledError:
             await asyncio.wait([call])
             if not call.cancelled() and call.exception() is None:
-                episode_id = call.result().get("episode_id")
-                if episode_id and not call.result().get("done"):
-                    await self.abandon_quietly(str(episode_id))
+                started = call.result()
+                if started.get("episode_id") and not started.get("done"):
+                    await self.abandon_quietly(str(started["episode_id"]))
             raise
         return StepAnswer.model_validate(data)
 

@@ -44,7 +44,7 @@ class RolloutService:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.policy = Route(config.model, ChatClient(
             config.vllm, timeout_s=config.inference_timeout_s,
             max_requests_per_second=config.max_requests_per_second))
@@ -63,8 +63,6 @@ class RolloutService:
                                          token_ids=spec.token_ids),
                         served_model=spec.model)
             for name, spec in config.model_endpoints.items()}
-        if config.run_id:
-            self.run_id = config.run_id
         self.run_log = RunLog(Path(config.runs_dir), self.run_id) if config.runs_dir else None
         self.scheduler: WorldScheduler | None = None
         self.runner: GroupRunner | None = None
@@ -108,13 +106,17 @@ class RolloutService:
     async def close(self) -> None:
         if self.run_log is not None:
             await self.run_log.close()
-        for route in self.named.values():
+        for _, route in self.model_routes():
             await route.client.aclose()
         for env in self.envs.values():
             await env.client.aclose()
-        await self.policy.client.aclose()
+
+    def model_routes(self) -> list[tuple[str, Route]]:
+        """Every model the service may ask, with the role /health names it by."""
+        routes = [("policy", self.policy)]
         if self.support is not None:
-            await self.support.client.aclose()
+            routes.append(("support", self.support))
+        return routes + [(f"named:{name}", route) for name, route in self.named.items()]
 
     async def _discover(self, url: str, client: EnvClient) -> _Discovered:
         try:
@@ -160,8 +162,7 @@ class RolloutService:
             self.run_log.append(group)
 
     async def _check_models(self) -> None:
-        routes = [self.policy] + ([self.support] if self.support else []) + list(self.named.values())
-        for route in routes:
+        for _, route in self.model_routes():
             for endpoint in route.client.endpoints:
                 try:
                     models = await route.client.list_models(endpoint)
@@ -238,12 +239,7 @@ class RolloutService:
             return out
 
         envs = await asyncio.gather(*(env_state(e) for e in self.envs.values()))
-        models = await model_state(self.policy, "policy")
-        if self.support is not None:
-            models += await model_state(self.support, "support")
-        ok = all(e["ok"] for e in envs) and all(m["ok"] for m in models)
-        for name, route in self.named.items():
-            models += await model_state(route, f"named:{name}")
+        models = [state for role, route in self.model_routes() for state in await model_state(route, role)]
         ok = all(e["ok"] for e in envs) and all(m["ok"] for m in models)
         return {"status": "ok" if ok else "degraded", "run_id": self.run_id,
                 "run_log": str(self.run_log.path) if self.run_log else None,
