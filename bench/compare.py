@@ -31,42 +31,26 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from inference.embedded_model import MODEL_NAME  # noqa: E402
 from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT  # noqa: E402
-from rollout_service.stack import ManagedProcess, free_port, refenv_command, service_command  # noqa: E402
+from rollout_service.stack import LocalStack  # noqa: E402
 
 LOGS = Path("results/logs")
 TASKS = ["t005", "t019", "t020", "t006", "t001", "t009"]
 
 
-class Stack:
-    """refenv + the service on loopback, for one configuration."""
+class Stack(LocalStack):
+    """refenv + the service on loopback, for one configuration, on the vLLM server being measured."""
 
-    def __init__(self, vllm: str, pool: int, latency_ms: int = 0, service_flags: tuple[str, ...] = ()) -> None:
-        self.env_port, self.svc_port = free_port(), free_port()
-        self.env = ManagedProcess("bench-refenv", refenv_command(self.env_port, "--pool", str(pool), "--latency-ms",
-                                                                 str(latency_ms)), LOGS / "bench-refenv.log")
-        self.svc = ManagedProcess("bench-service", service_command(self.svc_port, [self.env_url], vllm, "--max-n", "64",
-                                                                   "--max-batch", "1024", *service_flags),
-                                  LOGS / "bench-service.log")
-        self.pool = pool
+    def __init__(self, vllm: str, pool: int, latency_ms: int = 0) -> None:
+        super().__init__(log_dir=LOGS / "bench", pool=pool, vllm_url=vllm, refenv_args=["--latency-ms", str(latency_ms)],
+                         service_args=["--max-n", "64", "--max-batch", "1024"], say=lambda _: None)
 
     @property
     def env_url(self) -> str:
-        return f"http://127.0.0.1:{self.env_port}"
+        return self.urls["env"]
 
     @property
     def svc_url(self) -> str:
-        return f"http://127.0.0.1:{self.svc_port}"
-
-    def __enter__(self) -> "Stack":
-        self.env.start()
-        self.env.wait_http(f"{self.env_url}/health", 60)
-        self.svc.start()
-        self.svc.wait_http(f"{self.svc_url}/health", 60)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.svc.stop()
-        self.env.stop()
+        return self.urls["service"]
 
     def env_health(self) -> dict:
         return httpx.get(f"{self.env_url}/health", timeout=10).json()
@@ -149,21 +133,20 @@ def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: i
     tasks = [TASKS[i % len(TASKS)] for i in range(groups)]
     out = {"latency_ms": latency_ms, "groups": groups, "n": n, "pool": pool, "max_tokens": max_tokens}
     with Stack(vllm, pool=pool, latency_ms=latency_ms) as stack:
-        before = stack.env_health()["busy_world_seconds"]
-        started = time.monotonic()
-        for task in tasks:
-            naive_group(stack.env_url, vllm, task, n, pool, max_tokens)
-        wall = time.monotonic() - started
-        busy = stack.env_health()["busy_world_seconds"] - before
-        out["naive"] = {"groups_per_s": round(groups / wall, 4), "utilisation": round(busy / (pool * wall), 3),
-                        "wall_s": round(wall, 1)}
-        before = stack.env_health()["busy_world_seconds"]
-        wall, _ = run_batch(stack.svc_url, [{"task_id": t, "n": n, "sampling": {"temperature": 0.8,
-                                                                                   "max_tokens": max_tokens}}
-                                            for t in tasks])
-        busy = stack.env_health()["busy_world_seconds"] - before
-        out["service"] = {"groups_per_s": round(groups / wall, 4), "utilisation": round(busy / (pool * wall), 3),
-                          "wall_s": round(wall, 1), "max_leased": stack.env_health()["max_leased"]}
+        def timed(run) -> dict:
+            """groups/s of `run` and the env pool's utilisation while it ran."""
+            before = stack.env_health()["busy_world_seconds"]
+            started = time.monotonic()
+            run()
+            wall = time.monotonic() - started
+            busy = stack.env_health()["busy_world_seconds"] - before
+            return {"groups_per_s": round(groups / wall, 4), "utilisation": round(busy / (pool * wall), 3),
+                    "wall_s": round(wall, 1)}
+
+        out["naive"] = timed(lambda: [naive_group(stack.env_url, vllm, task, n, pool, max_tokens) for task in tasks])
+        out["service"] = timed(lambda: run_batch(stack.svc_url, [
+            {"task_id": t, "n": n, "sampling": {"temperature": 0.8, "max_tokens": max_tokens}} for t in tasks]))
+        out["service"]["max_leased"] = stack.env_health()["max_leased"]
     out["ratio"] = round(out["service"]["groups_per_s"] / out["naive"]["groups_per_s"], 2)
     return out
 
@@ -173,7 +156,7 @@ def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: i
 def bench_scaling(vllm: str, sizes=(1, 4, 16, 64), n: int = 2, pool: int = 16, max_tokens: int = 8) -> list[dict]:
     rows = []
     with Stack(vllm, pool=pool) as stack:
-        proc = psutil.Process(stack.svc.proc.pid)
+        proc = psutil.Process(stack.process("service").proc.pid)
         for size in sizes:
             groups = [{"task_id": TASKS[i % len(TASKS)], "n": n, "max_turns": 4,
                        "sampling": {"temperature": 0.8, "max_tokens": max_tokens}} for i in range(size)]
@@ -192,7 +175,7 @@ def bench_memory(vllm: str, attempts: int = 10_000) -> dict:
     groups = [{"task_id": "t005", "n": per_group, "sampling": {"temperature": 0.8, "max_tokens": 8}}
               for _ in range(attempts // per_group + 1)]
     with Stack(vllm, pool=2, latency_ms=600_000) as stack:
-        proc = psutil.Process(stack.svc.proc.pid)
+        proc = psutil.Process(stack.process("service").proc.pid)
         idle = proc.memory_info().rss
         stop = threading.Event()
 

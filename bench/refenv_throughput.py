@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_service.stack import ManagedProcess, free_port  # noqa: E402
+from rollout_service.stack import ManagedProcess, free_port, refenv_command  # noqa: E402
 
 SQL = json.dumps({"action": "sql", "input": "SELECT COUNT(*) FROM customers"})
 ANSWER = json.dumps({"action": "answer", "input": "20"})
@@ -56,8 +56,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
     port = free_port()
-    proc = ManagedProcess("refenv", [sys.executable, "-m", "refenv.cli", "serve", "--step", "--pool", str(args.pool),
-                                     "--listen", f"127.0.0.1:{port}"], Path("results/logs/bench-refenv.log"))
+    proc = ManagedProcess("refenv", refenv_command(port, "--pool", str(args.pool)), Path("results/logs/bench-refenv.log"))
     proc.start()
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health", 60)

@@ -23,7 +23,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout_service.loadtest import LoadSpec, format_report, run_load  # noqa: E402
-from rollout_service.stack import ManagedProcess, free_port, refenv_command, service_command  # noqa: E402
+from rollout_service.stack import LocalStack  # noqa: E402
 
 
 def main() -> int:
@@ -33,46 +33,38 @@ def main() -> int:
     parser.add_argument("--fail-rate", type=float, default=0.1)
     parser.add_argument("--pool", type=int, default=8)
     args = parser.parse_args()
-    logs = Path("results/logs")
-    env_port, svc_port = free_port(), free_port()
-    env_url, svc_url = f"http://127.0.0.1:{env_port}", f"http://127.0.0.1:{svc_port}"
-    env = ManagedProcess("soak-refenv", refenv_command(env_port, "--pool", str(args.pool), "--fail-rate",
-                                                       str(args.fail_rate), "--seed", "11"), logs / "soak-refenv.log")
-    svc = ManagedProcess("soak-service", service_command(svc_port, [env_url], args.vllm), logs / "soak-service.log")
+    stack = LocalStack(log_dir=Path("results/logs/soak"), pool=args.pool, vllm_url=args.vllm,
+                       refenv_args=["--fail-rate", str(args.fail_rate), "--seed", "11"])
     memory: list[tuple[float, float]] = []
     health_failures = 0
     stop = threading.Event()
-    try:
-        env.start()
-        env.wait_http(f"{env_url}/health", 60)
-        svc.start()
-        svc.wait_http(f"{svc_url}/health", 60)
-        proc = psutil.Process(svc.proc.pid)
-        started = time.monotonic()
+    with stack:
+        try:
+            env_url, svc_url = stack.urls["env"], stack.urls["service"]
+            proc = psutil.Process(stack.process("service").proc.pid)
+            started = time.monotonic()
 
-        def sample() -> None:
-            nonlocal health_failures
-            while not stop.is_set():
-                memory.append((time.monotonic() - started, proc.memory_info().rss / 2**20))
-                try:
-                    if httpx.get(f"{svc_url}/health", timeout=5).status_code != 200:
+            def sample() -> None:
+                nonlocal health_failures
+                while not stop.is_set():
+                    memory.append((time.monotonic() - started, proc.memory_info().rss / 2**20))
+                    try:
+                        if httpx.get(f"{svc_url}/health", timeout=5).status_code != 200:
+                            health_failures += 1
+                    except httpx.HTTPError:
                         health_failures += 1
-                except httpx.HTTPError:
-                    health_failures += 1
-                stop.wait(10)
+                    stop.wait(10)
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        spec = LoadSpec(service=svc_url, trainers=4, batch=4, n=8, duration_s=args.minutes * 60, max_tokens=32,
-                        max_turns=8, grace_s=300)
-        report = asyncio.run(run_load(spec))
-        stop.set()
-        sampler.join()
-        env_health = httpx.get(f"{env_url}/health").json()
-    finally:
-        stop.set()
-        svc.stop()
-        env.stop()
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            spec = LoadSpec(service=svc_url, trainers=4, batch=4, n=8, duration_s=args.minutes * 60, max_tokens=32,
+                            max_turns=8, grace_s=300)
+            report = asyncio.run(run_load(spec))
+            stop.set()
+            sampler.join()
+            env_health = httpx.get(f"{env_url}/health").json()
+        finally:
+            stop.set()  # the sampler stops even when the load fails
     groups = report["timeline"]["groups"]
     statuses = report["attempt_status"]
     first = [m for t, m in memory if t < 60] or [memory[0][1]]

@@ -174,6 +174,10 @@ class LocalStack:
         proc.wait_http(f"{self.urls['service']}/health", timeout_s=60)
         self.say(f"[service] ready at {self.urls['service']}")
 
+    def process(self, name: str) -> ManagedProcess:
+        """The running process `name` ("vllm", "refenv" or "service")."""
+        return next(p for p in self.processes if p.name == name)
+
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         proc = ManagedProcess(name, cmd, self.log_dir / f"{name}.log", env)
         self.processes.append(proc)
