@@ -55,39 +55,47 @@ def vllm_url(logs_dir) -> str:
 
 
 @pytest.fixture
-def start_refenv(logs_dir, request):
-    """start_refenv('--pool', '2', ..., step=True) -> Running; stopped after the test."""
+def launch(logs_dir, request):
+    """launch(kind, port, cmd, env=None, wait=True) -> Running; stopped after the test, last started first
+    (a service before its env, so it can abandon its episodes while the env is up)."""
     started: list[ManagedProcess] = []
 
-    def start(*flags: str, step: bool = True) -> Running:
-        port = free_port()
-        name = f"refenv-{request.node.name[:40]}-{len(started)}"
-        proc = ManagedProcess(name, refenv_command(port, *flags, step=step), logs_dir / f"{name}.log")
+    def start(kind: str, port: int, cmd: list[str], env: dict | None = None, wait: bool = True) -> Running:
+        name = f"{kind}-{request.node.name[:40]}-{len(started)}"
+        proc = ManagedProcess(name, cmd, logs_dir / f"{name}.log", env)
         started.append(proc)
         proc.start()
-        proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=60)
-        return Running(f"http://127.0.0.1:{port}", proc)
+        url = f"http://127.0.0.1:{port}"
+        if wait:
+            proc.wait_http(f"{url}/health", timeout_s=60)
+        return Running(url, proc)
 
     yield start
-    for proc in started:
+    for proc in reversed(started):
         proc.stop()
 
 
 @pytest.fixture
-def start_service(logs_dir, request, vllm_url):
-    """start_service([env urls], *flags, env={...}) -> Running; stopped after the test."""
-    started: list[ManagedProcess] = []
+def start_refenv(launch):
+    """start_refenv('--pool', '2', ..., step=True, port=None) -> Running; stopped after the test."""
 
-    def start(envs: list[str], *flags: str, env: dict | None = None, wait: bool = True) -> Running:
+    def start(*flags: str, step: bool = True, port: int | None = None) -> Running:
+        port = port or free_port()
+        return launch("refenv", port, refenv_command(port, *flags, step=step))
+
+    return start
+
+
+@pytest.fixture
+def start_service(launch, request):
+    """start_service([env urls], *flags, env={...}, vllm=URL) -> Running; stopped after the test.
+    Without `vllm`, the session's vLLM server."""
+
+    def start(envs: list[str], *flags: str, env: dict | None = None, wait: bool = True,
+              vllm: str | None = None) -> Running:
         port = free_port()
-        name = f"service-{request.node.name[:40]}-{len(started)}"
-        proc = ManagedProcess(name, service_command(port, envs, vllm_url, *flags, model=MODEL), logs_dir / f"{name}.log", {**os.environ, **(env or {})})
-        started.append(proc)
-        proc.start()
-        if wait:
-            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=60)
-        return Running(f"http://127.0.0.1:{port}", proc)
+        vllm = vllm or request.getfixturevalue("vllm_url")
+        return launch("service", port, service_command(port, envs, vllm, *flags, model=MODEL),
+                      {**os.environ, **(env or {})}, wait)
 
-    yield start
-    for proc in started:
-        proc.stop()
+    return start

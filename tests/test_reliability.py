@@ -9,17 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from helpers import wait_until
+from helpers import assert_accounted, cli, wait_until
 from inference import embedded_model, local_server
-from rollout_service.stack import ManagedProcess, free_port, refenv_command, service_command
+from rollout_service.stack import ManagedProcess, free_port
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 
@@ -45,49 +43,27 @@ class Background:
         return self
 
 
-def assert_accounted(group: dict) -> None:
-    c = group["counts"]
-    assert c["scheduled"] == group["n"] == c["scored"] + c["failed"] == len(group["attempts"])
-    for attempt in group["attempts"]:
-        if attempt["status"] == "scored":
-            assert attempt["reward"] is not None
-        else:
-            assert attempt["reward"] is None and attempt["failure"]["kind"], attempt
-
-
-def start_refenv_on(port: int, logs, *flags: str) -> ManagedProcess:
-    name = f"refenv-{port}-{time.monotonic_ns()}"
-    proc = ManagedProcess(name, refenv_command(port, *flags), logs / f"{name}.log")
-    proc.start()
-    proc.wait_http(f"http://127.0.0.1:{port}/health", 60)
-    return proc
-
-
-def test_env_killed_mid_group_and_restarted(start_service, logs_dir):
+def test_env_killed_mid_group_and_restarted(start_refenv, start_service):
     port = free_port()
-    env_url = f"http://127.0.0.1:{port}"
-    env = start_refenv_on(port, logs_dir, "--pool", "4", "--latency-ms", "1500")
-    try:
-        service = start_service([env_url])
-        running = Background(service.url, {"task_id": "t005", "n": 4, "retries": 1, "sampling": SAMPLING})
-        assert wait_until(lambda: httpx.get(f"{env_url}/health").json()["leased"] == 4, 60)
-        env.proc.kill()  # SIGKILL: no goodbye
-        env.proc.wait(10)
-        assert wait_until(lambda: httpx.get(f"{service.url}/health").json()["status"] == "degraded", 10)
-        group = running.join().response.json()
-        assert_accounted(group)
-        assert group["counts"]["failed"] >= 1
-        assert all(a["status"] in ("scored", "env_failure") for a in group["attempts"])
-        env = start_refenv_on(port, logs_dir, "--pool", "4")
-        assert httpx.get(f"{service.url}/health").json()["status"] == "ok"
-        again = httpx.post(f"{service.url}/groups", timeout=300,
-                           json={"task_id": "t005", "n": 2, "sampling": SAMPLING}).json()
-        assert_accounted(again)
-        assert again["counts"]["scored"] == 2
-        health = httpx.get(f"{env_url}/health").json()
-        assert health["leased"] == 0 and health["max_leased"] <= 4
-    finally:
-        env.stop()
+    env = start_refenv("--pool", "4", "--latency-ms", "1500", port=port)
+    service = start_service([env.url])
+    running = Background(service.url, {"task_id": "t005", "n": 4, "retries": 1, "sampling": SAMPLING})
+    assert wait_until(lambda: env.health()["leased"] == 4, 60)
+    env.proc.proc.kill()  # SIGKILL: no goodbye
+    env.proc.proc.wait(10)
+    assert wait_until(lambda: httpx.get(f"{service.url}/health").json()["status"] == "degraded", 10)
+    group = running.join().response.json()
+    assert_accounted(group)
+    assert group["counts"]["failed"] >= 1
+    assert all(a["status"] in ("scored", "env_failure") for a in group["attempts"])
+    env = start_refenv("--pool", "4", port=port)
+    assert httpx.get(f"{service.url}/health").json()["status"] == "ok"
+    again = httpx.post(f"{service.url}/groups", timeout=300,
+                       json={"task_id": "t005", "n": 2, "sampling": SAMPLING}).json()
+    assert_accounted(again)
+    assert again["counts"]["scored"] == 2
+    health = env.health()
+    assert health["leased"] == 0 and health["max_leased"] <= 4
 
 
 def test_sigterm_abandons_running_groups(start_refenv, start_service):
@@ -158,45 +134,37 @@ def own_vllm(logs_dir):
         proc.stop()
 
 
-def test_vllm_killed_mid_group_and_restarted(start_refenv, logs_dir, own_vllm):
+def test_vllm_killed_mid_group_and_restarted(start_refenv, start_service, own_vllm):
     url, start_vllm = own_vllm
     vllm = start_vllm()
     env = start_refenv("--pool", "4")
-    port = free_port()
-    service = ManagedProcess("service-own-vllm", service_command(port, [env.url], url), logs_dir / "service-own-vllm.log")
-    service.start()
-    try:
-        service.wait_http(f"http://127.0.0.1:{port}/health", 60)
-        svc = f"http://127.0.0.1:{port}"
-        running = Background(svc, {"task_id": "t005", "n": 4, "retries": 0,
-                                   "sampling": {"temperature": 0.8, "max_tokens": 400}})
-        assert wait_until(lambda: env.health()["leased"] == 4, 60)
-        time.sleep(1.0)
-        vllm.stop(grace_s=0)
-        group = running.join().response.json()
-        assert_accounted(group)
-        failed = [a for a in group["attempts"] if a["status"] == "inference_failure"]
-        assert failed and all(a["failure"]["kind"] in ("unreachable", "server_error") for a in failed)
-        assert wait_until(lambda: env.health()["leased"] == 0, 3)
-        health = httpx.get(f"{svc}/health").json()
-        assert health["status"] == "degraded" and not health["models"][0]["ok"]
-        assert "unreachable" in health["models"][0]["error"]
-        start_vllm()  # back on the same port; the service recovers without a restart of its own
-        assert httpx.get(f"{svc}/health").json()["status"] == "ok"
-        again = httpx.post(f"{svc}/groups", timeout=300, json={"task_id": "t005", "n": 2, "sampling": SAMPLING}).json()
-        assert again["counts"]["scored"] == 2
-        assert env.health()["leased"] == 0 and env.health()["max_leased"] <= 4
-    finally:
-        service.stop()
+    svc = start_service([env.url], vllm=url).url
+    running = Background(svc, {"task_id": "t005", "n": 4, "retries": 0,
+                               "sampling": {"temperature": 0.8, "max_tokens": 400}})
+    assert wait_until(lambda: env.health()["leased"] == 4, 60)
+    time.sleep(1.0)
+    vllm.stop(grace_s=0)
+    group = running.join().response.json()
+    assert_accounted(group)
+    failed = [a for a in group["attempts"] if a["status"] == "inference_failure"]
+    assert failed and all(a["failure"]["kind"] in ("unreachable", "server_error") for a in failed)
+    assert wait_until(lambda: env.health()["leased"] == 0, 3)
+    health = httpx.get(f"{svc}/health").json()
+    assert health["status"] == "degraded" and not health["models"][0]["ok"]
+    assert "unreachable" in health["models"][0]["error"]
+    start_vllm()  # back on the same port; the service recovers without a restart of its own
+    assert httpx.get(f"{svc}/health").json()["status"] == "ok"
+    again = httpx.post(f"{svc}/groups", timeout=300, json={"task_id": "t005", "n": 2, "sampling": SAMPLING}).json()
+    assert again["counts"]["scored"] == 2
+    assert env.health()["leased"] == 0 and env.health()["max_leased"] <= 4
 
 
 def test_loadtest_reports_and_plots(start_refenv, start_service, tmp_path):
     env = start_refenv("--pool", "4")
     service = start_service([env.url])
     out, png = tmp_path / "load.json", tmp_path / "load.png"
-    done = subprocess.run([sys.executable, "-m", "rollout_service.cli", "loadtest", "--service", service.url,
-                           "--trainers", "2", "--batch", "2", "--n", "2", "--count", "4", "--max-tokens", "16",
-                           "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
+    done = cli("loadtest", "--service", service.url, "--trainers", "2", "--batch", "2", "--n", "2", "--count", "4",
+               "--max-tokens", "16", "--json", str(out), "--plot", str(png))
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["groups"] == 4 and report["attempts"] == 8 and report["error_count"] == 0
@@ -205,6 +173,5 @@ def test_loadtest_reports_and_plots(start_refenv, start_service, tmp_path):
     assert e["max_leased_env"] <= 4 and e["leased_at_end"] == 0 and 0 < e["utilisation_service"] <= 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "groups/s" in done.stdout
-    remote = subprocess.run([sys.executable, "-m", "rollout_service.cli", "loadtest", "--service",
-                             "http://10.1.2.3:8080", "--count", "1"], capture_output=True, text=True, timeout=60)
+    remote = cli("loadtest", "--service", "http://10.1.2.3:8080", "--count", "1", timeout=60)
     assert remote.returncode == 2 and "loopback" in remote.stderr

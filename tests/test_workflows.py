@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import httpx
 
+from helpers import assert_accounted, cli
 from inference import embedded_model
 from rollout_service.stack import port_in_use
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 32}
-
-
-def cli(*args: str, timeout: float = 600, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_service.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
 
 
 def test_teacher_and_policy_side_by_side(start_refenv, start_service, vllm_url):
@@ -127,10 +121,9 @@ def test_demo_runs_groups_and_stops_what_it_started(vllm_url, tmp_path):
                "--json", str(out), cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     groups = json.loads(out.read_text())["groups"]
-    assert len(groups) == 2
+    assert [g["n"] for g in groups] == [4, 4]
     for group in groups:
-        c = group["counts"]
-        assert c["scheduled"] == 4 == c["scored"] + c["failed"] == len(group["attempts"])
+        assert_accounted(group)
     assert "0 held now" in done.stdout
     started = re.findall(r"\[(?:refenv|service)\] ready at (http://\S+)", done.stdout)
     assert len(started) == 2, done.stdout
