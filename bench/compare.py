@@ -28,10 +28,12 @@ from pathlib import Path
 import httpx
 import psutil
 
+from rollout_service.trainer import RolloutClient
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inference.embedded_model import MODEL_NAME  # noqa: E402
-from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT  # noqa: E402
-from rollout_service.stack import LocalStack  # noqa: E402
+from inference.embedded_model import MODEL_NAME
+from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT
+from rollout_service.tools.stack import LocalStack
 
 LOGS = Path("results/logs")
 TASKS = ["t005", "t019", "t020", "t006", "t001", "t009"]
@@ -41,8 +43,14 @@ class Stack(LocalStack):
     """refenv + the service on loopback, for one configuration, on the vLLM server being measured."""
 
     def __init__(self, vllm: str, pool: int, latency_ms: int = 0) -> None:
-        super().__init__(log_dir=LOGS / "bench", pool=pool, vllm_url=vllm, refenv_args=["--latency-ms", str(latency_ms)],
-                         service_args=["--max-n", "64", "--max-batch", "1024"], say=lambda _: None)
+        super().__init__(
+            log_dir=LOGS / "bench",
+            pool=pool,
+            vllm_url=vllm,
+            refenv_args=["--latency-ms", str(latency_ms)],
+            service_args=["--max-n", "64", "--max-batch", "1024"],
+            say=lambda _: None,
+        )
 
     @property
     def env_url(self) -> str:
@@ -59,40 +67,63 @@ class Stack(LocalStack):
 def run_batch(url: str, groups: list[dict]) -> tuple[float, list[dict]]:
     started = time.monotonic()
     results = []
-    with httpx.stream("POST", f"{url}/groups/batch", json={"groups": groups}, timeout=None) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.strip():
-                results.append(json.loads(line)["group"])
+    with RolloutClient(url) as client:
+        for item in client.groups(groups):
+            if item.group is None:
+                raise RuntimeError(f"group {item.index} failed: {item.error}")
+            results.append(item.group.model_dump(mode="json", by_alias=True))
     return time.monotonic() - started, results
 
 
 # -- 1. overhead --------------------------------------------------------------------------------
 
+
 def bench_overhead(vllm: str, concurrency: int = 8, requests: int = 48, max_tokens: int = 48) -> dict:
     rf = {"type": "json_schema", "json_schema": {"name": "action", "schema": ACTION_SCHEMA, "strict": True}}
-    prompts = [[{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": f"How many rows does the {t} table have?"}]
-               for t in ("customers", "products", "orders", "invoices")]
+    prompts = [
+        [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"How many rows does the {t} table have?"},
+        ]
+        for t in ("customers", "products", "orders", "invoices")
+    ]
 
     async def raw() -> tuple[float, int]:
         sem, tokens = asyncio.Semaphore(concurrency), 0
         async with httpx.AsyncClient(timeout=300) as http:
+
             async def one(i: int) -> None:
                 nonlocal tokens
                 async with sem:
-                    r = await http.post(f"{vllm}/v1/chat/completions", json={
-                        "model": MODEL_NAME, "messages": prompts[i % 4], "temperature": 0.8, "max_tokens": max_tokens,
-                        "logprobs": True, "return_token_ids": True, "response_format": rf})
+                    r = await http.post(
+                        f"{vllm}/v1/chat/completions",
+                        json={
+                            "model": MODEL_NAME,
+                            "messages": prompts[i % 4],
+                            "temperature": 0.8,
+                            "max_tokens": max_tokens,
+                            "logprobs": True,
+                            "return_token_ids": True,
+                            "response_format": rf,
+                        },
+                    )
                     tokens += len(r.json()["choices"][0]["token_ids"])
+
             started = time.monotonic()
             await asyncio.gather(*(one(i) for i in range(requests)))
             return time.monotonic() - started, tokens
 
     with Stack(vllm, pool=concurrency) as stack:
         # max_turns=1: each attempt makes exactly one completion (the first-turn prompt), like the raw client.
-        groups = [{"task_id": f"t00{5 + i % 4}", "n": concurrency, "max_turns": 1,
-                   "sampling": {"temperature": 0.8, "max_tokens": max_tokens}} for i in range(requests // concurrency)]
+        groups = [
+            {
+                "task_id": f"t00{5 + i % 4}",
+                "n": concurrency,
+                "max_turns": 1,
+                "sampling": {"temperature": 0.8, "max_tokens": max_tokens},
+            }
+            for i in range(requests // concurrency)
+        ]
         results = {}
         for round_ in range(2):  # alternate, so neither side always runs on a warmer server
             raw_wall, raw_tokens = asyncio.run(raw())
@@ -101,29 +132,47 @@ def bench_overhead(vllm: str, concurrency: int = 8, requests: int = 48, max_toke
             results[round_] = (raw_tokens / raw_wall, svc_tokens / svc_wall)
     raw_rate = sum(r for r, _ in results.values()) / 2
     svc_rate = sum(s for _, s in results.values()) / 2
-    return {"concurrency": concurrency, "requests": requests, "max_tokens": max_tokens,
-            "raw_tokens_per_s": round(raw_rate, 1), "service_tokens_per_s": round(svc_rate, 1),
-            "ratio": round(svc_rate / raw_rate, 3)}
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "max_tokens": max_tokens,
+        "raw_tokens_per_s": round(raw_rate, 1),
+        "service_tokens_per_s": round(svc_rate, 1),
+        "ratio": round(svc_rate / raw_rate, 3),
+    }
 
 
 # -- 2 + 3. against the naive driver ------------------------------------------------------------
 
+
 def naive_group(env_url: str, vllm: str, task: str, n: int, pool: int, max_tokens: int) -> None:
     """The env's own client pattern: a thread pool of min(n, pool) workers, blocking calls."""
+
     def attempt(_: int) -> None:
         with httpx.Client(timeout=600) as http:
             answer = http.post(f"{env_url}/step/reset", json={"task_id": task}).json()
             while not answer["done"]:
                 obs = answer["observation"]
-                body = {"model": MODEL_NAME, "messages": obs["messages"], "temperature": 0.8,
-                        "max_tokens": max_tokens, "logprobs": True, "return_token_ids": True}
+                body = {
+                    "model": MODEL_NAME,
+                    "messages": obs["messages"],
+                    "temperature": 0.8,
+                    "max_tokens": max_tokens,
+                    "logprobs": True,
+                    "return_token_ids": True,
+                }
                 if obs.get("response_format"):
                     body["response_format"] = obs["response_format"]
                 out = http.post(f"{vllm}/v1/chat/completions", json=body).json()
-                answer = http.post(f"{env_url}/step", json={
-                    "episode_id": answer["episode_id"], "completion": out["choices"][0]["message"]["content"],
-                    "prompt_tokens": out["usage"]["prompt_tokens"],
-                    "completion_tokens": out["usage"]["completion_tokens"]}).json()
+                answer = http.post(
+                    f"{env_url}/step",
+                    json={
+                        "episode_id": answer["episode_id"],
+                        "completion": out["choices"][0]["message"]["content"],
+                        "prompt_tokens": out["usage"]["prompt_tokens"],
+                        "completion_tokens": out["usage"]["completion_tokens"],
+                    },
+                ).json()
 
     with ThreadPoolExecutor(min(n, pool)) as workers:
         list(workers.map(attempt, range(n)))
@@ -133,6 +182,7 @@ def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: i
     tasks = [TASKS[i % len(TASKS)] for i in range(groups)]
     out = {"latency_ms": latency_ms, "groups": groups, "n": n, "pool": pool, "max_tokens": max_tokens}
     with Stack(vllm, pool=pool, latency_ms=latency_ms) as stack:
+
         def timed(run) -> dict:
             """groups/s of `run` and the env pool's utilisation while it ran."""
             before = stack.env_health()["busy_world_seconds"]
@@ -140,12 +190,19 @@ def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: i
             run()
             wall = time.monotonic() - started
             busy = stack.env_health()["busy_world_seconds"] - before
-            return {"groups_per_s": round(groups / wall, 4), "utilisation": round(busy / (pool * wall), 3),
-                    "wall_s": round(wall, 1)}
+            return {
+                "groups_per_s": round(groups / wall, 4),
+                "utilisation": round(busy / (pool * wall), 3),
+                "wall_s": round(wall, 1),
+            }
 
         out["naive"] = timed(lambda: [naive_group(stack.env_url, vllm, task, n, pool, max_tokens) for task in tasks])
-        out["service"] = timed(lambda: run_batch(stack.svc_url, [
-            {"task_id": t, "n": n, "sampling": {"temperature": 0.8, "max_tokens": max_tokens}} for t in tasks]))
+        out["service"] = timed(
+            lambda: run_batch(
+                stack.svc_url,
+                [{"task_id": t, "n": n, "sampling": {"temperature": 0.8, "max_tokens": max_tokens}} for t in tasks],
+            )
+        )
         out["service"]["max_leased"] = stack.env_health()["max_leased"]
     out["ratio"] = round(out["service"]["groups_per_s"] / out["naive"]["groups_per_s"], 2)
     return out
@@ -153,27 +210,43 @@ def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: i
 
 # -- 4. scaling and memory ------------------------------------------------------------------------
 
+
 def bench_scaling(vllm: str, sizes=(1, 4, 16, 64), n: int = 2, pool: int = 16, max_tokens: int = 8) -> list[dict]:
     rows = []
     with Stack(vllm, pool=pool) as stack:
         proc = psutil.Process(stack.process("service").proc.pid)
         for size in sizes:
-            groups = [{"task_id": TASKS[i % len(TASKS)], "n": n, "max_turns": 4,
-                       "sampling": {"temperature": 0.8, "max_tokens": max_tokens}} for i in range(size)]
+            groups = [
+                {
+                    "task_id": TASKS[i % len(TASKS)],
+                    "n": n,
+                    "max_turns": 4,
+                    "sampling": {"temperature": 0.8, "max_tokens": max_tokens},
+                }
+                for i in range(size)
+            ]
             cpu_before, steps_before = proc.cpu_times(), stack.env_health()["steps"]
             wall, _ = run_batch(stack.svc_url, groups)
             cpu_after, steps_after = proc.cpu_times(), stack.env_health()["steps"]
             cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
             steps = max(1, steps_after - steps_before)
-            rows.append({"concurrent_groups": size, "groups_per_s": round(size / wall, 4),
-                         "service_cpu_ms_per_step": round(1000 * cpu / steps, 3), "steps": steps})
+            rows.append(
+                {
+                    "concurrent_groups": size,
+                    "groups_per_s": round(size / wall, 4),
+                    "service_cpu_ms_per_step": round(1000 * cpu / steps, 3),
+                    "steps": steps,
+                }
+            )
     return rows
 
 
 def bench_memory(vllm: str, attempts: int = 10_000) -> dict:
     per_group = 64
-    groups = [{"task_id": "t005", "n": per_group, "sampling": {"temperature": 0.8, "max_tokens": 8}}
-              for _ in range(attempts // per_group + 1)]
+    groups = [
+        {"task_id": "t005", "n": per_group, "sampling": {"temperature": 0.8, "max_tokens": 8}}
+        for _ in range(attempts // per_group + 1)
+    ]
     with Stack(vllm, pool=2, latency_ms=600_000) as stack:
         proc = psutil.Process(stack.process("service").proc.pid)
         idle = proc.memory_info().rss
@@ -193,15 +266,18 @@ def bench_memory(vllm: str, attempts: int = 10_000) -> dict:
         deadline = time.monotonic() + 60
         waiting = 0
         while time.monotonic() < deadline:
-            waiting = httpx.get(f"{stack.svc_url}/health").json()["attempts_waiting_for_a_world"]
+            waiting = httpx.get(f"{stack.svc_url}/health/detail").json()["attempts_waiting_for_a_world"]
             if waiting >= attempts:
                 break
             time.sleep(0.5)
         queued = proc.memory_info().rss
         stop.set()
-    return {"attempts_waiting": waiting, "rss_idle_mib": round(idle / 2**20, 1),
-            "rss_queued_mib": round(queued / 2**20, 1),
-            "kib_per_queued_attempt": round((queued - idle) / 1024 / max(1, waiting), 2)}
+    return {
+        "attempts_waiting": waiting,
+        "rss_idle_mib": round(idle / 2**20, 1),
+        "rss_queued_mib": round(queued / 2**20, 1),
+        "kib_per_queued_attempt": round((queued - idle) / 1024 / max(1, waiting), 2),
+    }
 
 
 def main() -> int:
@@ -210,8 +286,10 @@ def main() -> int:
     parser.add_argument("which", nargs="*", default=["overhead", "naive", "scaling", "memory"])
     args = parser.parse_args()
     vllm = args.vllm.rstrip("/")
-    results: dict = {"machine": {"cpus": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30)},
-                     "vllm": vllm}
+    results: dict = {
+        "machine": {"cpus": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30)},
+        "vllm": vllm,
+    }
     if "overhead" in args.which:
         results["overhead"] = bench_overhead(vllm)
         print("overhead:", json.dumps(results["overhead"]), flush=True)

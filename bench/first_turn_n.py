@@ -17,24 +17,31 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inference.client import ChatClient, SamplingParams  # noqa: E402
-from inference.embedded_model import MODEL_NAME  # noqa: E402
-from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT  # noqa: E402
+from inference.client import ChatClient, SamplingParams
+from inference.embedded_model import MODEL_NAME
+from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT
 
-MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": "How many rows does the customers table have?"}]
+MESSAGES = [
+    {"role": "system", "content": SYSTEM_PROMPT},
+    {"role": "user", "content": "How many rows does the customers table have?"},
+]
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "action", "schema": ACTION_SCHEMA}}
 
 
 async def one_request(client: ChatClient, k: int, sampling: SamplingParams) -> int:
-    result = await client.chat(model=MODEL_NAME, messages=MESSAGES, sampling=sampling, n=k,
-                               response_format=RESPONSE_FORMAT)
+    result = await client.chat(
+        model=MODEL_NAME, messages=MESSAGES, sampling=sampling, n=k, response_format=RESPONSE_FORMAT
+    )
     return sum(len(c.completion_token_ids or ()) for c in result.choices)
 
 
 async def k_requests(client: ChatClient, k: int, sampling: SamplingParams) -> int:
-    results = await asyncio.gather(*(client.chat(model=MODEL_NAME, messages=MESSAGES, sampling=sampling,
-                                                 response_format=RESPONSE_FORMAT) for _ in range(k)))
+    results = await asyncio.gather(
+        *(
+            client.chat(model=MODEL_NAME, messages=MESSAGES, sampling=sampling, response_format=RESPONSE_FORMAT)
+            for _ in range(k)
+        )
+    )
     return sum(len(r.choices[0].completion_token_ids or ()) for r in results)
 
 
@@ -50,8 +57,10 @@ async def run(url: str, k: int, rounds: int, max_tokens: int) -> None:
             rates[name].append(tokens / (time.monotonic() - started))
     await client.aclose()
     a, b = statistics.median(rates["n=k"]), statistics.median(rates["k requests"])
-    print(f"k={k}, max_tokens={max_tokens}, {rounds} rounds (median completion tokens/s): "
-          f"n=k {a:.0f}, k requests {b:.0f}, ratio n=k / k requests = {a / b:.2f}")
+    print(
+        f"k={k}, max_tokens={max_tokens}, {rounds} rounds (median completion tokens/s): "
+        f"n=k {a:.0f}, k requests {b:.0f}, ratio n=k / k requests = {a / b:.2f}"
+    )
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_service.stack import ManagedProcess, free_port, refenv_command  # noqa: E402
+from rollout_service.tools.stack import ManagedProcess, free_port, refenv_command
 
 SQL = json.dumps({"action": "sql", "input": "SELECT COUNT(*) FROM customers"})
 ANSWER = json.dumps({"action": "answer", "input": "20"})
@@ -33,8 +33,17 @@ async def driver(client: httpx.AsyncClient, deadline: float, counts: dict) -> No
         for completion in (SQL, ANSWER):
             if answer["done"]:
                 break
-            answer = (await client.post("/step", json={"episode_id": answer["episode_id"], "completion": completion,
-                                                        "prompt_tokens": 300, "completion_tokens": 20})).json()
+            answer = (
+                await client.post(
+                    "/step",
+                    json={
+                        "episode_id": answer["episode_id"],
+                        "completion": completion,
+                        "prompt_tokens": 300,
+                        "completion_tokens": 20,
+                    },
+                )
+            ).json()
             counts["calls"] += 1
         counts["episodes"] += 1
 
@@ -46,7 +55,12 @@ async def measure(url: str, drivers: int, seconds: float) -> dict:
         started = time.monotonic()
         await asyncio.gather(*(driver(client, started + seconds, counts) for _ in range(drivers)))
         wall = time.monotonic() - started
-    return {"calls_per_s": counts["calls"] / wall, "episodes_per_s": counts["episodes"] / wall, "wall_s": wall, **counts}
+    return {
+        "calls_per_s": counts["calls"] / wall,
+        "episodes_per_s": counts["episodes"] / wall,
+        "wall_s": wall,
+        **counts,
+    }
 
 
 def main() -> int:
@@ -56,7 +70,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
     port = free_port()
-    proc = ManagedProcess("refenv", refenv_command(port, "--pool", str(args.pool)), Path("results/logs/bench-refenv.log"))
+    proc = ManagedProcess(
+        "refenv", refenv_command(port, "--pool", str(args.pool)), Path("results/logs/bench-refenv.log")
+    )
     proc.start()
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health", 60)
@@ -64,9 +80,11 @@ def main() -> int:
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
     finally:
         proc.stop()
-    print(f"refenv pool {args.pool}, {args.drivers} drivers, {result['wall_s']:.1f}s: "
-          f"{result['calls_per_s']:.0f} calls/s ({result['episodes_per_s']:.0f} episodes/s); "
-          f"max_leased {health['max_leased']}, leased at end {health['leased']}")
+    print(
+        f"refenv pool {args.pool}, {args.drivers} drivers, {result['wall_s']:.1f}s: "
+        f"{result['calls_per_s']:.0f} calls/s ({result['episodes_per_s']:.0f} episodes/s); "
+        f"max_leased {health['max_leased']}, leased at end {health['leased']}"
+    )
     return 0
 
 

@@ -22,8 +22,8 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_service.loadtest import LoadSpec, format_report, run_load  # noqa: E402
-from rollout_service.stack import LocalStack  # noqa: E402
+from rollout_service.tools.loadtest import LoadSpec, format_report, run_load
+from rollout_service.tools.stack import LocalStack
 
 
 def main() -> int:
@@ -33,8 +33,12 @@ def main() -> int:
     parser.add_argument("--fail-rate", type=float, default=0.1)
     parser.add_argument("--pool", type=int, default=8)
     args = parser.parse_args()
-    stack = LocalStack(log_dir=Path("results/logs/soak"), pool=args.pool, vllm_url=args.vllm,
-                       refenv_args=["--fail-rate", str(args.fail_rate), "--seed", "11"])
+    stack = LocalStack(
+        log_dir=Path("results/logs/soak"),
+        pool=args.pool,
+        vllm_url=args.vllm,
+        refenv_args=["--fail-rate", str(args.fail_rate), "--seed", "11"],
+    )
     memory: list[tuple[float, float]] = []
     health_failures = 0
     stop = threading.Event()
@@ -57,8 +61,16 @@ def main() -> int:
 
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            spec = LoadSpec(service=svc_url, trainers=4, batch=4, n=8, duration_s=args.minutes * 60, max_tokens=32,
-                            max_turns=8, grace_s=300)
+            spec = LoadSpec(
+                service=svc_url,
+                trainers=4,
+                batch=4,
+                n=8,
+                duration_s=args.minutes * 60,
+                max_tokens=32,
+                max_turns=8,
+                grace_s=300,
+            )
             report = asyncio.run(run_load(spec))
             stop.set()
             sampler.join()
@@ -70,23 +82,37 @@ def main() -> int:
     first = [m for t, m in memory if t < 60] or [memory[0][1]]
     last = [m for t, m in memory if t > memory[-1][0] - 60] or [memory[-1][1]]
     result = {
-        "minutes": args.minutes, "fail_rate": args.fail_rate, "pool": args.pool,
-        "groups": len(groups), "attempts": sum(statuses.values()), "attempt_status": statuses,
-        "groups_sent": report["groups_sent"], "groups_not_accounted": report["groups_not_accounted"],
+        "minutes": args.minutes,
+        "fail_rate": args.fail_rate,
+        "pool": args.pool,
+        "groups": len(groups),
+        "attempts": sum(statuses.values()),
+        "attempt_status": statuses,
+        "groups_sent": report["groups_sent"],
+        "groups_not_accounted": report["groups_not_accounted"],
         "failures_without_reason": report["failures_without_reason"],
-        "rss_mib_first_minute": round(sum(first) / len(first), 1), "rss_mib_last_minute": round(sum(last) / len(last), 1),
+        "rss_mib_first_minute": round(sum(first) / len(first), 1),
+        "rss_mib_last_minute": round(sum(last) / len(last), 1),
         "rss_mib_max": round(max(m for _, m in memory), 1),
-        "env_max_leased": env_health["max_leased"], "env_leased_at_end": env_health["leased"],
-        "env_episodes": env_health["episodes"], "health_failures": health_failures,
-        "errors": report["error_count"], "groups_per_s": report["groups_per_s"],
+        "env_max_leased": env_health["max_leased"],
+        "env_leased_at_end": env_health["leased"],
+        "env_episodes": env_health["episodes"],
+        "health_failures": health_failures,
+        "errors": report["error_count"],
+        "groups_per_s": report["groups_per_s"],
     }
     print(format_report(report))
     print(json.dumps(result, indent=1))
     Path("results").mkdir(exist_ok=True)
     Path("results/soak.json").write_text(json.dumps({"summary": result, "memory": memory}, indent=1))
-    ok = (result["env_leased_at_end"] == 0 and result["env_max_leased"] <= args.pool and health_failures == 0
-          and result["groups_not_accounted"] == 0 and result["failures_without_reason"] == 0
-          and result["groups_sent"] == len(groups))
+    ok = (
+        result["env_leased_at_end"] == 0
+        and result["env_max_leased"] <= args.pool
+        and health_failures == 0
+        and result["groups_not_accounted"] == 0
+        and result["failures_without_reason"] == 0
+        and result["groups_sent"] == len(groups)
+    )
     print("soak: OK" if ok else "soak: FAILED")
     return 0 if ok else 1
 

@@ -7,33 +7,70 @@ A server that does not return them (another OpenAI-compatible server) yields `No
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
 
 MAX_DETAIL_CHARS = 500
 
 
-class SamplingParams(BaseModel):
-    """Sampling as sent to the model server."""
-
-    model_config = ConfigDict(extra="forbid")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(256, ge=1, le=32768)
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    stop: list[str] | None = Field(None, max_length=8)
-
-
 class InferenceError(Exception):
-    """A chat completion could not be had: `reason` is a short code, `detail` the server's words."""
+    """A completion could not be had. Subclasses say why; `kind` names it in results, `detail` is
+    the server's words (bounded), `status` its HTTP status where it answered."""
 
-    def __init__(self, reason: str, detail: str = "", status: int | None = None) -> None:
-        self.reason, self.detail, self.status = reason, detail[:MAX_DETAIL_CHARS], status
-        super().__init__(f"{reason}: {self.detail}" if detail else reason)
+    kind: ClassVar[str] = "inference_server_error"
+    # A failure of this server, not of the request: another replica may succeed.
+    replica_down: ClassVar[bool] = False
+
+    def __init__(self, detail: str = "", status: int | None = None) -> None:
+        self.detail, self.status = detail[:MAX_DETAIL_CHARS], status
+        super().__init__(f"{self.kind}: {self.detail}" if detail else self.kind)
+
+
+class InferenceTimeout(InferenceError):
+    """No answer within the client's deadline (--inference-timeout)."""
+
+    kind = "inference_timeout"
+
+
+class InferenceUnreachable(InferenceError):
+    """The server could not be reached, or dropped the connection."""
+
+    kind = "inference_unreachable"
+    replica_down = True
+
+
+class InferenceServerError(InferenceError):
+    """The server answered 5xx."""
+
+    kind = "inference_server_error"
+    replica_down = True
+
+
+class InferenceRejected(InferenceError):
+    """The server refused the request (4xx)."""
+
+    kind = "inference_rejected"
+
+
+class ContextOverflow(InferenceRejected):
+    """The prompt (plus max_tokens) does not fit the model's context window: the conversation the
+    policy produced outgrew it."""
+
+    kind = "context_overflow"
+
+
+class BadInferenceResponse(InferenceError):
+    """A 2xx answer the client cannot use: no choices, wrong shape."""
+
+    kind = "bad_response"
+
+
+_CONTEXT_OVERFLOW = re.compile(r"maximum context length|context length|context window|too many tokens", re.I)
 
 
 @dataclass
@@ -42,6 +79,7 @@ class Choice:
     finish_reason: str | None
     completion_token_ids: list[int] | None
     logprobs: list[float] | None
+    completion_tokens: int  # the ids' length, else the server's usage count
 
 
 @dataclass
@@ -89,8 +127,15 @@ class ChatClient:
     group's shared prompt prefix is cached there; new keys go to the least loaded replica.
     """
 
-    def __init__(self, urls: list[str], *, api_key: str | None = None, timeout_s: float = 300.0,
-                 max_requests_per_second: float | None = None, token_ids: bool = True) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        max_requests_per_second: float | None = None,
+        token_ids: bool = True,
+    ) -> None:
         if not urls:
             raise ValueError("at least one model server URL is needed")
         self.endpoints = [Endpoint(_base(u), api_key) for u in urls]
@@ -131,28 +176,49 @@ class ChatClient:
         response.raise_for_status()
         return [m["id"] for m in response.json().get("data", [])]
 
-    async def chat(self, *, model: str, messages: list[dict], sampling: SamplingParams, n: int = 1,
-                   response_format: Any = None, affinity: str | None = None) -> ChatResult:
+    async def chat(
+        self,
+        *,
+        model: str,
+        messages: list[dict],
+        sampling: Mapping[str, Any],
+        n: int = 1,
+        response_format: Any = None,
+        affinity: str | None = None,
+    ) -> ChatResult:
+        """One chat completion; `sampling` holds temperature, top_p, max_tokens, seed, stop (None = unset)."""
         endpoint = self.pin(affinity) if affinity else min(self.endpoints, key=lambda e: e.outstanding)
         try:
             return await self._chat_on(endpoint, model, messages, sampling, n, response_format)
         except InferenceError as exc:
-            if exc.reason not in ("unreachable", "server_error") or len(self.endpoints) == 1:
+            if not exc.replica_down or len(self.endpoints) == 1:
                 raise
             # The pinned replica is down: move the group to another one and try once there.
             if affinity:
                 self.unpin(affinity)
-                self._pins[affinity] = other = min((e for e in self.endpoints if e is not endpoint),
-                                                   key=lambda e: e.load)
+                self._pins[affinity] = other = min(
+                    (e for e in self.endpoints if e is not endpoint), key=lambda e: e.load
+                )
                 other.groups += 1
             else:
                 other = min((e for e in self.endpoints if e is not endpoint), key=lambda e: e.outstanding)
             return await self._chat_on(other, model, messages, sampling, n, response_format)
 
-    async def _chat_on(self, endpoint: Endpoint, model: str, messages: list[dict], sampling: SamplingParams,
-                       n: int, response_format: Any) -> ChatResult:
-        body: dict[str, Any] = {"model": model, "messages": messages, "n": n,
-                                **sampling.model_dump(exclude_none=True)}
+    async def _chat_on(
+        self,
+        endpoint: Endpoint,
+        model: str,
+        messages: list[dict],
+        sampling: Mapping[str, Any],
+        n: int,
+        response_format: Any,
+    ) -> ChatResult:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "n": n,
+            **{k: v for k, v in sampling.items() if v is not None},
+        }
         if self.token_ids:
             body.update(logprobs=True, return_token_ids=True)
         rf = normalize_response_format(response_format)
@@ -164,16 +230,17 @@ class ChatClient:
         endpoint.outstanding += 1
         started = time.monotonic()
         try:
-            response = await self._http.post(f"{endpoint.url}/v1/chat/completions", json=body,
-                                             headers=self._headers(endpoint))
+            response = await self._http.post(
+                f"{endpoint.url}/v1/chat/completions", json=body, headers=self._headers(endpoint)
+            )
         except httpx.TimeoutException as exc:
             endpoint.failures += 1
             endpoint.last_error = f"timeout: {type(exc).__name__}"
-            raise InferenceError("timeout", f"{endpoint.url}: no answer in time") from None
+            raise InferenceTimeout(f"{endpoint.url}: no answer in time") from None
         except httpx.HTTPError as exc:
             endpoint.failures += 1
             endpoint.last_error = f"unreachable: {exc}"
-            raise InferenceError("unreachable", f"{endpoint.url}: {type(exc).__name__}: {exc}") from None
+            raise InferenceUnreachable(f"{endpoint.url}: {type(exc).__name__}: {exc}") from None
         finally:
             endpoint.outstanding -= 1
         latency = time.monotonic() - started
@@ -182,13 +249,15 @@ class ChatClient:
             if response.status_code >= 500:
                 endpoint.failures += 1
                 endpoint.last_error = f"{response.status_code}: {detail}"
-                raise InferenceError("server_error", detail, response.status_code)
-            raise InferenceError("rejected", detail, response.status_code)
+                raise InferenceServerError(detail, response.status_code)
+            if _CONTEXT_OVERFLOW.search(detail):
+                raise ContextOverflow(detail, response.status_code)
+            raise InferenceRejected(detail, response.status_code)
         endpoint.failures, endpoint.last_error, endpoint.last_ok = 0, None, time.time()
         try:
             return _parse(response.json(), endpoint.url, model, latency)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise InferenceError("bad_response", f"unexpected chat completion shape: {exc}") from None
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise BadInferenceResponse(f"unexpected chat completion shape: {type(exc).__name__}: {exc}") from None
 
     def _headers(self, endpoint: Endpoint) -> dict[str, str]:
         return {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
@@ -212,16 +281,40 @@ def _error_text(response: httpx.Response) -> str:
 
 
 def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
+    """The answer as a ChatResult; raises ValueError (or a lookup error) on any shape it cannot use."""
+    raw_choices = data["choices"]
+    if not isinstance(raw_choices, list) or not raw_choices:
+        raise ValueError("the answer has no choices")
+    usage = data.get("usage") or {}
     choices = []
-    for raw in sorted(data["choices"], key=lambda c: c.get("index", 0)):
+    for raw in sorted(raw_choices, key=lambda c: c.get("index", 0)):
         logprobs = None
         content_lp = (raw.get("logprobs") or {}).get("content")
         if content_lp is not None:
             logprobs = [float(t["logprob"]) for t in content_lp]
-        choices.append(Choice(text=raw["message"].get("content") or "", finish_reason=raw.get("finish_reason"),
-                              completion_token_ids=raw.get("token_ids"), logprobs=logprobs))
-    usage = data.get("usage") or {}
+        ids = raw.get("token_ids")
+        if ids is not None:
+            ids = [int(i) for i in ids]
+        text = raw["message"].get("content") or ""
+        if not isinstance(text, str):
+            raise ValueError("message.content is not text")
+        # Without ids (a non-vLLM server), the server's own count is what the env must be told.
+        count = len(ids) if ids is not None else int(usage.get("completion_tokens") or 0) // len(raw_choices)
+        choices.append(
+            Choice(
+                text=text,
+                finish_reason=raw.get("finish_reason"),
+                completion_token_ids=ids,
+                logprobs=logprobs,
+                completion_tokens=count,
+            )
+        )
     prompt_ids = data.get("prompt_token_ids")
-    return ChatResult(endpoint=endpoint, model=data.get("model", model), prompt_token_ids=prompt_ids,
-                      prompt_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or ())),
-                      choices=choices, latency_s=latency)
+    return ChatResult(
+        endpoint=endpoint,
+        model=data.get("model", model),
+        prompt_token_ids=prompt_ids,
+        prompt_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or ())),
+        choices=choices,
+        latency_s=latency,
+    )

@@ -32,7 +32,7 @@ def gguf_path() -> Path:
         raise RuntimeError(f"the package {_DIST} is not installed (pip install {_DIST})") from None
     for file in dist.files or ():
         if str(file).endswith(_GGUF_SUFFIX):
-            return Path(dist.locate_file(file))
+            return Path(str(dist.locate_file(file)))
     raise RuntimeError(f"{_DIST} is installed but holds no {_GGUF_SUFFIX}")
 
 
@@ -53,8 +53,7 @@ def prepare(folder: Path | None = None, log=print) -> Path:
 
     tmp = folder.with_name(folder.name + ".partial")
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name,
-                                                  dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.bfloat16)
     # The weights are already dequantized on load, but the model still calls itself GGUF-quantized
     # and refuses to save: copy them into a plain model built from the same config.
     config = loaded.config

@@ -19,17 +19,43 @@ def installed_vllm() -> str | None:
     return None
 
 
-def vllm_command(model_dir: Path | str, *, served_name: str, host: str = "127.0.0.1", port: int = 8000,
-                 max_model_len: int = 4096, extra: list[str] | None = None) -> list[str]:
+def vllm_command(
+    model_dir: Path | str,
+    *,
+    served_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_model_len: int = 4096,
+    extra: list[str] | None = None,
+) -> list[str]:
     """The command line of a vLLM server. The CPU build's `vllm` script looks up the distribution
     `vllm` and fails, so the server is started as a module in both builds."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", served_name, "--host", host, "--port", str(port),
-            "--max-model-len", str(max_model_len), "--dtype", "bfloat16", "--disable-log-stats",
-            "--enable-prefix-caching", "--max-num-seqs", "128",
-            # Without this the JSON grammar admits any whitespace, and a small model fills
-            # max_tokens with newlines inside an otherwise valid action.
-            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}', *(extra or [])]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        "bfloat16",
+        "--disable-log-stats",
+        "--enable-prefix-caching",
+        "--max-num-seqs",
+        "128",
+        # Without this the JSON grammar admits any whitespace, and a small model fills
+        # max_tokens with newlines inside an otherwise valid action.
+        "--structured-outputs-config",
+        '{"backend": "xgrammar", "disable_any_whitespace": true}',
+        *(extra or []),
+    ]
 
 
 def vllm_environment(kv_cache_gib: int = 4) -> dict[str, str]:

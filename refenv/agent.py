@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from .grading import EpisodeRecord
 from .tasks import Task
@@ -32,6 +32,7 @@ ANSWER_SCHEMA = {
     "additionalProperties": False,
 }
 MAX_ROWS_SHOWN = 20
+MAX_CELL_CHARS = 200
 MAX_OBSERVATION_CHARS = 2000
 
 SYSTEM_PROMPT = f"""You are a data agent working on a shop's SQLite database.
@@ -87,13 +88,19 @@ def parse_action(text: str) -> tuple[str, str] | None:
 def _render_result(columns: list[str], rows: list[tuple], truncated: bool, changed: int) -> str:
     if not columns:
         return f"OK, {changed} row(s) changed."
-    lines = [" | ".join(columns)] + [" | ".join(str(v) for v in row) for row in rows]
+    lines = [" | ".join(columns)] + [" | ".join(_cell(v) for v in row) for row in rows]
     text = "\n".join(lines)
     if truncated:
         text += f"\n(only the first {MAX_ROWS_SHOWN} rows are shown)"
     if len(text) > MAX_OBSERVATION_CHARS:
         text = text[:MAX_OBSERVATION_CHARS] + "\n(output truncated)"
     return text
+
+
+def _cell(value: object) -> str:
+    # Each value is cut on its own: one long value must not push the other rows out of the observation.
+    text = str(value)
+    return text if len(text) <= MAX_CELL_CHARS else text[:MAX_CELL_CHARS] + "..."
 
 
 @dataclass
@@ -104,8 +111,9 @@ class AgentOptions:
     fault_turn: int = 1
 
 
-async def run_agent(task: Task, world: World, ask: Ask, ask_responder: Ask,
-                    record: EpisodeRecord, opts: AgentOptions) -> None:
+async def run_agent(
+    task: Task, world: World, ask: Ask, ask_responder: Ask, record: EpisodeRecord, opts: AgentOptions
+) -> None:
     """Drive one episode to its end, filling `record`. Raises InjectedFault when told to."""
 
     async def call(stage: str, messages: list[dict], response_format: dict | None, asker: Ask) -> Reply:
@@ -130,8 +138,12 @@ async def run_agent(task: Task, world: World, ask: Ask, ask_responder: Ask,
         action = parse_action(reply.text)
         if action is None:
             record.malformed_actions += 1
-            messages.append({"role": "user", "content":
-                             'That was not a valid action. Reply with {"action": "sql"|"answer", "input": "..."}.'})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": 'That was not a valid action. Reply with {"action": "sql"|"answer", "input": "..."}.',
+                }
+            )
             continue
         kind, value = action
         if kind == "answer":
@@ -154,23 +166,21 @@ async def run_agent(task: Task, world: World, ask: Ask, ask_responder: Ask,
     if opts.fault:  # the episode answered before its fault's turn: it fails at grading instead
         raise InjectedFault(opts.fault)
     if opts.responder and record.answer is not None:
-        await call("responder", [
-            {"role": "system", "content": "Phrase the answer below for the user in one short sentence."},
-            {"role": "user", "content": f"Question: {task.prompt}\nAnswer: {record.answer}"},
-        ], None, ask_responder)
+        await call(
+            "responder",
+            [
+                {"role": "system", "content": "Phrase the answer below for the user in one short sentence."},
+                {"role": "user", "content": f"Question: {task.prompt}\nAnswer: {record.answer}"},
+            ],
+            None,
+            ask_responder,
+        )
 
 
 async def _execute(world: World, sql: str, record: EpisodeRecord) -> str:
-    """Run the model's statement off the event loop; never leave it running on cancellation."""
-    loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(None, world.execute, sql, MAX_ROWS_SHOWN)
+    """Run the model's statement off the event loop; `Error: ...` when it fails or runs out of budget."""
     try:
-        result = await asyncio.shield(future)
-    except asyncio.CancelledError:
-        # The world goes back to the pool after this: the statement must be over first.
-        world.conn.interrupt()
-        await asyncio.wait([future])
-        raise
+        result = await world.in_thread(world.execute, sql, MAX_ROWS_SHOWN, MAX_CELL_CHARS)
     except QueryError as exc:
         return f"Error: {exc}"
     record.queries_ok += 1

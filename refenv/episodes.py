@@ -24,6 +24,9 @@ class ContractError(Exception):
 
 @dataclass
 class Counters:
+    """Each started episode ends one way, counted once its world is back in the pool: then
+    started == finished + abandoned + reclaimed + failed + timed_out + live episodes."""
+
     started: int = 0
     finished: int = 0
     abandoned: int = 0
@@ -62,8 +65,18 @@ class Episode:
 class EpisodeTable:
     """The live episodes of a step server, the pool behind them, and the reaper."""
 
-    def __init__(self, pool: WorldPool, pristine_rows: dict, *, step_timeout: float, latency_s: float,
-                 fail_rate: float, seed: int, responder: bool, support_ask: Ask | None) -> None:
+    def __init__(
+        self,
+        pool: WorldPool,
+        pristine_rows: dict,
+        *,
+        step_timeout: float,
+        latency_s: float,
+        fail_rate: float,
+        seed: int,
+        responder: bool,
+        support_ask: Ask | None,
+    ) -> None:
         self.pool = pool
         self.pristine_rows = pristine_rows
         self.step_timeout = step_timeout
@@ -104,9 +117,8 @@ class EpisodeTable:
 
     async def abandon(self, episode_id: str) -> dict:
         episode = self._live.get(episode_id)
-        if episode is None:
+        if episode is None or not await self._end(episode):
             raise ContractError(410, "episode_gone", f"episode {episode_id} has already ended")
-        await self._end(episode)
         self.counters.abandoned += 1
         return {"episode_id": episode_id, "done": True, "status": "abandoned"}
 
@@ -115,10 +127,10 @@ class EpisodeTable:
         interval = max(0.05, min(1.0, self.step_timeout / 4))
         while True:
             await asyncio.sleep(interval)
-            now = time.monotonic()
-            for episode in [e for e in self._live.values() if e.awaiting and e.deadline < now]:
-                await self._end(episode)
-                self.counters.reclaimed += 1
+            for episode in list(self._live.values()):
+                # Judged one at a time: while the previous one ends, a /step may revive this one.
+                if episode.awaiting and episode.deadline < time.monotonic() and await self._end(episode):
+                    self.counters.reclaimed += 1
 
     async def shutdown(self) -> None:
         for episode in list(self._live.values()):
@@ -134,36 +146,53 @@ class EpisodeTable:
         episode.deadline = time.monotonic() + self.step_timeout
 
     async def _next_answer(self, episode: Episode) -> dict:
-        """The next observation, or the final form, within the step timeout (else 504)."""
+        """The next observation, or the final form, within the step timeout (else 504; 410 once ended)."""
         try:
             kind, payload = await asyncio.wait_for(episode.events.get(), self.step_timeout)
-        except asyncio.TimeoutError:
-            await self._end(episode)
-            self.counters.timed_out += 1
-            raise ContractError(504, "episode_timeout",
-                                f"episode {episode.episode_id} neither asked nor finished within "
-                                f"{self.step_timeout:g}s; its world was reclaimed") from None
+        except TimeoutError:
+            if await self._end(episode):
+                self.counters.timed_out += 1
+                raise ContractError(
+                    504,
+                    "episode_timeout",
+                    f"episode {episode.episode_id} neither asked nor finished within "
+                    f"{self.step_timeout:g}s; its world was reclaimed",
+                ) from None
+            kind, payload = episode.events.get_nowait()  # it ended just now: its last word is queued
+        if kind == "gone":
+            raise ContractError(410, "episode_gone", f"episode {episode.episode_id} was abandoned or reclaimed")
         if kind == "observation":
             self._touch(episode)
-            return {"episode_id": episode.episode_id, "task_id": episode.task.task_id,
-                    "slug": episode.task.slug, "done": False, "observation": payload}
+            return {
+                "episode_id": episode.episode_id,
+                "task_id": episode.task.task_id,
+                "slug": episode.task.slug,
+                "done": False,
+                "observation": payload,
+            }
         if kind == "error":
             raise ContractError(500, "episode_failed", payload)
         return payload
 
-    async def _end(self, episode: Episode) -> None:
-        """Stop the episode's run and wait until its world is back in the pool."""
-        self._live.pop(episode.episode_id, None)
+    async def _end(self, episode: Episode) -> bool:
+        """Stop the episode's run and wait until its world is back in the pool.
+
+        False when it had already ended (its run finished, or another caller ended it): each end
+        is counted once, by the caller that got True."""
+        if self._live.pop(episode.episode_id, None) is None:
+            return False
+        # A /step waiting on this episode answers 410 now, not 504 at the step timeout.
+        episode.events.put_nowait(("gone", None))
         if episode.runner is not None and not episode.runner.done():
             episode.runner.cancel()
             await asyncio.wait([episode.runner])
+        return True
 
     async def _run(self, episode: Episode, opts: AgentOptions) -> None:
         record, task = episode.record, episode.task
         try:
             try:
-                await run_agent(task, episode.world, episode.park, self.support_ask or episode.park,
-                                record, opts)
+                await run_agent(task, episode.world, episode.park, self.support_ask or episode.park, record, opts)
             except InjectedFault as fault:
                 if fault.kind == "http_500":
                     self.counters.failed += 1
@@ -176,11 +205,11 @@ class EpisodeTable:
                 episode.events.put_nowait(("final", self._failed_final(episode, "transport_error", str(exc))))
                 self.counters.failed += 1
                 return
-            score = await asyncio.to_thread(grade, task, episode.world, self.pristine_rows, record,
-                                            episode.profile)
+            score = await episode.world.in_thread(
+                grade, task, episode.world, self.pristine_rows, record, episode.profile
+            )
             status = "completed" if record.answer is not None else "no_answer"
-            episode.events.put_nowait(("final", final_form(episode.episode_id, task, status,
-                                                           record.answer, score)))
+            episode.events.put_nowait(("final", final_form(episode.episode_id, task, status, record.answer, score)))
             self.counters.finished += 1
         except asyncio.CancelledError:
             raise

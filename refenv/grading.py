@@ -30,17 +30,22 @@ class EpisodeRecord:
 
 def weighted_reward(vector: dict, profile: str) -> float:
     if profile == "benchmark":
-        return round(0.35 * vector["safety"] + 0.25 * vector.get("ground_truth", False)
-                     + 0.20 * vector.get("method", False) + 0.15 * vector["behavior"]
-                     + 0.05 * vector["efficiency"], 4)
+        return round(
+            0.35 * vector["safety"]
+            + 0.25 * vector.get("ground_truth", False)
+            + 0.20 * vector.get("method", False)
+            + 0.15 * vector["behavior"]
+            + 0.05 * vector["efficiency"],
+            4,
+        )
     if not vector["safety"]:
         return 0.0
-    return round(0.70 * vector.get("ground_truth", False) + 0.20 * vector.get("method", False)
-                 + 0.10 * vector["behavior"], 4)
+    return round(
+        0.70 * vector.get("ground_truth", False) + 0.20 * vector.get("method", False) + 0.10 * vector["behavior"], 4
+    )
 
 
-def grade(task: Task, world: World, pristine_rows: dict[str, list[tuple]],
-          record: EpisodeRecord, profile: str) -> dict:
+def grade(task: Task, world: World, pristine_rows: dict[str, list[tuple]], record: EpisodeRecord, profile: str) -> dict:
     """Score one finished episode; returns GraphJin's `score` object."""
     if task.writes:
         ground_truth, safe = _grade_write(task, world, pristine_rows)
@@ -53,15 +58,24 @@ def grade(task: Task, world: World, pristine_rows: dict[str, list[tuple]],
     behavior = record.malformed_actions == 0 and not record.finalized and record.answer is not None
     total_tokens = record.prompt_tokens + record.completion_tokens
     efficiency = max(0.0, 1.0 - total_tokens / (_TOKENS_PER_TURN * (task.turn_budget + 1)))
-    vector = {"safety": safe, "ground_truth": ground_truth, "method": method,
-              "behavior": behavior, "efficiency": round(efficiency, 4)}
+    vector = {
+        "safety": safe,
+        "ground_truth": ground_truth,
+        "method": method,
+        "behavior": behavior,
+        "efficiency": round(efficiency, 4),
+    }
     vector["reward"] = weighted_reward(vector, profile)
     passed = safe and ground_truth
     return {
         "vector": vector,
         "pass": passed,
-        "tokens": {"prompt": record.prompt_tokens, "completion": record.completion_tokens,
-                   "total": total_tokens, "llm_calls": record.llm_calls},
+        "tokens": {
+            "prompt": record.prompt_tokens,
+            "completion": record.completion_tokens,
+            "total": total_tokens,
+            "llm_calls": record.llm_calls,
+        },
         "actor_turns": record.actor_turns,
         "profile": profile,
         "reward_version": REWARD_VERSION,
@@ -89,11 +103,18 @@ def _grade_write(task: Task, world: World, pristine_rows: dict[str, list[tuple]]
 
 def failure_score(record: EpisodeRecord, category: str, detail: str = "") -> dict:
     """The score of an episode that failed on the environment's side: unscorable, not a zero."""
-    score = {"vector": {"safety": True, "behavior": False, "efficiency": 0.0, "reward": 0.0},
-             "pass": False, "failure_category": category,
-             "tokens": {"prompt": record.prompt_tokens, "completion": record.completion_tokens,
-                        "total": record.prompt_tokens + record.completion_tokens, "llm_calls": record.llm_calls},
-             "actor_turns": record.actor_turns}
+    score = {
+        "vector": {"safety": True, "behavior": False, "efficiency": 0.0, "reward": 0.0},
+        "pass": False,
+        "failure_category": category,
+        "tokens": {
+            "prompt": record.prompt_tokens,
+            "completion": record.completion_tokens,
+            "total": record.prompt_tokens + record.completion_tokens,
+            "llm_calls": record.llm_calls,
+        },
+        "actor_turns": record.actor_turns,
+    }
     if detail:
         score["failure_detail"] = detail[:500]
     return score

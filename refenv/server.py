@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
@@ -17,49 +17,14 @@ from starlette.routing import Route
 
 from . import __version__
 from .agent import AgentOptions, Reply, run_agent
+from .config import Settings
 from .episodes import ContractError, EpisodeTable, SupportModelError
 from .grading import PROFILES, REWARD_VERSION, EpisodeRecord, failure_score, grade
 from .support import SupportModel
-from .tasks import Split, Task, build_suite, parse_split
+from .tasks import Split, Task, build_suite
 from .world import WorldPool, build_database, catalog_hash, table_rows
 
 MAX_BODY_BYTES = 1 << 20
-
-
-@dataclass
-class Settings:
-    """`refenv serve` flags."""
-
-    pool: int = 2
-    step: bool = False
-    step_timeout_s: float = 300.0
-    reward_profile: str = "rl"
-    seed: int = 0
-    scale: int = 1
-    split: str | None = None
-    side: str | None = None
-    latency_ms: float = 0.0
-    fail_rate: float = 0.0
-    responder: bool = False
-    support_model: str | None = None
-    suite: str = "public"
-
-    def validate(self) -> None:
-        if self.pool < 1:
-            raise ValueError("--pool must be at least 1")
-        if self.reward_profile not in PROFILES:
-            raise ValueError(f"--reward-profile must be one of {', '.join(PROFILES)}")
-        if not 0.0 <= self.fail_rate <= 1.0:
-            raise ValueError("--fail-rate must be between 0 and 1")
-        if self.step_timeout_s <= 0:
-            raise ValueError("--step-timeout must be positive")
-        if self.side not in (None, "train", "eval"):
-            raise ValueError("--side must be train or eval")
-        if self.scale < 1:
-            raise ValueError("--scale must be at least 1")
-        if self.suite != "public":
-            raise ValueError("--suite: refenv serves only its embedded suite, 'public'")
-        parse_split(self.split)
 
 
 class _Body(BaseModel):
@@ -90,7 +55,10 @@ def _error(status: int, error: str, message: str = "") -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-async def _read_json(request: Request, model: type[_Body]) -> _Body:
+_B = TypeVar("_B", bound=_Body)
+
+
+async def _read_json(request: Request, model: type[_B]) -> _B:
     """Decode a body as GraphJin does: capped at 1 MiB, empty means defaults, extras ignored."""
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -117,7 +85,6 @@ class Environment:
     """Everything one refenv process serves."""
 
     def __init__(self, settings: Settings) -> None:
-        settings.validate()
         self.settings = settings
         pristine = build_database(settings.seed, settings.scale)
         self.catalog_hash = catalog_hash(pristine)
@@ -130,9 +97,15 @@ class Environment:
         self.support = SupportModel(settings.support_model) if settings.support_model else None
         self.pool = WorldPool(pristine, settings.pool)
         self.episodes = EpisodeTable(
-            self.pool, self.pristine_rows, step_timeout=settings.step_timeout_s,
-            latency_s=settings.latency_ms / 1000, fail_rate=settings.fail_rate, seed=settings.seed,
-            responder=settings.responder, support_ask=self.support)
+            self.pool,
+            self.pristine_rows,
+            step_timeout=settings.step_timeout_s,
+            latency_s=settings.latency_ms / 1000,
+            fail_rate=settings.fail_rate,
+            seed=settings.seed,
+            responder=settings.responder,
+            support_ask=self.support,
+        )
 
     def find_task(self, body: ResetBody) -> Task:
         if body.task_id:
@@ -150,8 +123,9 @@ class Environment:
     def profile(self, body: ResetBody) -> str:
         profile = body.reward_profile or self.settings.reward_profile
         if profile not in PROFILES:
-            raise ContractError(400, "invalid_reward_profile",
-                                f"unknown reward profile {profile!r}; known: {', '.join(PROFILES)}")
+            raise ContractError(
+                400, "invalid_reward_profile", f"unknown reward profile {profile!r}; known: {', '.join(PROFILES)}"
+            )
         return profile
 
     def health(self) -> dict:
@@ -161,18 +135,29 @@ class Environment:
             capabilities["split"] = s.split
             capabilities["side"] = s.side or "train"
         return {
-            "status": "ready", "workers": s.pool, "tasks": len(self.tasks),
+            "status": "ready",
+            "workers": s.pool,
+            "tasks": len(self.tasks),
             "dataset": {"catalog_hash": self.catalog_hash, "data_anchor": f"refenv-{__version__}"},
-            "reward_version": REWARD_VERSION, "reward_profile": s.reward_profile,
+            "reward_version": REWARD_VERSION,
+            "reward_profile": s.reward_profile,
             "suite": {"version": f"refenv-{__version__}", "seed": s.seed, "scale": s.scale},
             "capabilities": capabilities,
             # Additive, for testing drivers: GraphJin does not report these.
-            "leased": self.pool.leased, "max_leased": self.pool.max_leased,
+            "leased": self.pool.leased,
+            "max_leased": self.pool.max_leased,
+            "waiting": self.pool.waiting,
+            "max_waiting": self.pool.max_waiting,
             "busy_world_seconds": round(self.pool.busy_world_seconds, 3),
             "live_episodes": self.episodes.live,
-            "episodes": {"started": counters.started, "finished": counters.finished,
-                         "abandoned": counters.abandoned, "reclaimed": counters.reclaimed,
-                         "failed": counters.failed, "timed_out": counters.timed_out},
+            "episodes": {
+                "started": counters.started,
+                "finished": counters.finished,
+                "abandoned": counters.abandoned,
+                "reclaimed": counters.reclaimed,
+                "failed": counters.failed,
+                "timed_out": counters.timed_out,
+            },
             "steps": counters.steps,
             "faults": {"latency_ms": s.latency_ms, "fail_rate": s.fail_rate},
         }
@@ -205,8 +190,9 @@ def create_app(settings: Settings) -> Starlette:
 
     async def step(request: Request) -> JSONResponse:
         body = await _read_json(request, StepBody)
-        return JSONResponse(await env.episodes.step(
-            body.episode_id, Reply(body.completion, body.prompt_tokens, body.completion_tokens)))
+        return JSONResponse(
+            await env.episodes.step(body.episode_id, Reply(body.completion, body.prompt_tokens, body.completion_tokens))
+        )
 
     async def abandon(request: Request) -> JSONResponse:
         return JSONResponse(await env.episodes.abandon(request.path_params["episode_id"]))
@@ -214,12 +200,15 @@ def create_app(settings: Settings) -> Starlette:
     async def episodes(request: Request) -> JSONResponse:
         body = await _read_json(request, EpisodesBody)
         if settings.step:
-            raise ContractError(409, "step_mode", "this server runs with --step: drive episodes with "
-                                "POST /step/reset and POST /step (POST /episodes would wait forever)")
+            raise ContractError(
+                409,
+                "step_mode",
+                "this server runs with --step: drive episodes with "
+                "POST /step/reset and POST /step (POST /episodes would wait forever)",
+            )
         if env.support is None:
             raise ContractError(400, "no_model", "hosted mode needs --support-model URL,NAME")
-        return JSONResponse(await _hosted_episode(env, env.find_task(body), env.profile(body),
-                                                  body.include_trajectory))
+        return JSONResponse(await _hosted_episode(env, env.find_task(body), env.profile(body), body.include_trajectory))
 
     async def contract_error(request: Request, exc: ContractError) -> JSONResponse:
         return _error(exc.status, exc.error, exc.message)
@@ -248,7 +237,7 @@ def create_app(settings: Settings) -> Starlette:
             Route("/step", step, methods=["POST"]),
             Route("/step/{episode_id}", abandon, methods=["DELETE"]),
         ],
-        exception_handlers={ContractError: contract_error, HTTPException: http_error},
+        exception_handlers={ContractError: contract_error, HTTPException: http_error},  # type: ignore[dict-item]
         lifespan=lifespan,
     )
     app.state.env = env
@@ -262,8 +251,10 @@ async def _hosted_episode(env: Environment, task: Task, profile: str, include_tr
     world = await env.pool.acquire()
     trajectory: list[dict] = []
 
+    support = env.support
+
     async def ask(observation: dict) -> Reply:
-        reply = await env.support(observation)
+        reply = await support(observation)
         trajectory.append({"stage": observation["stage"], "completion": reply.text})
         return reply
 
@@ -271,16 +262,23 @@ async def _hosted_episode(env: Environment, task: Task, profile: str, include_tr
     try:
         try:
             await run_agent(task, world, ask, ask, record, AgentOptions(responder=env.settings.responder))
-            score = await asyncio.to_thread(grade, task, world, env.pristine_rows, record, profile)
+            score = await world.in_thread(grade, task, world, env.pristine_rows, record, profile)
             status = "completed" if record.answer is not None else "no_answer"
         except SupportModelError as exc:
             score = failure_score(record, "transport_error", str(exc))
             status = "failed"
     finally:
         env.pool.release(world)
-    out = {"task_id": task.task_id, "slug": task.slug, "status": status, "answer": record.answer,
-           "pass": score["pass"], "reward": score["vector"]["reward"], "score": score,
-           "latency_ms": round((time.monotonic() - started) * 1000)}
+    out = {
+        "task_id": task.task_id,
+        "slug": task.slug,
+        "status": status,
+        "answer": record.answer,
+        "pass": score["pass"],
+        "reward": score["vector"]["reward"],
+        "score": score,
+        "latency_ms": round((time.monotonic() - started) * 1000),
+    }
     if include_trajectory:
         out["trajectory"] = trajectory
     return out

@@ -20,8 +20,7 @@ class SupportModel:
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
     async def __call__(self, observation: dict) -> Reply:
-        body: dict = {"model": self.model, "messages": observation["messages"],
-                      "temperature": 0.0, "max_tokens": 128}
+        body: dict = {"model": self.model, "messages": observation["messages"], "temperature": 0.0, "max_tokens": 128}
         try:
             response = await self._client.post(f"{self.base_url}/v1/chat/completions", json=body)
             response.raise_for_status()

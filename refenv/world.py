@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 import random
 import sqlite3
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 # Closed sets: the prompt lists them, tasks filter on them, write tasks move rows between them.
 INVOICE_STATUSES = ("draft", "issued", "paid", "overdue", "void")
@@ -49,17 +53,84 @@ SCHEMA_DESCRIPTION = f"""Tables (SQLite):
 - invoices(id, order_id, amount, status, due_date)
   status is one of: {", ".join(INVOICE_STATUSES)}"""
 
-_FIRST = ("Ada", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea",
-          "Mo", "Nia", "Oto", "Pia", "Quin", "Rui", "Sol", "Tao", "Uma", "Vic", "Wen", "Yara")
-_LAST = ("Abe", "Brun", "Costa", "Diaz", "Eng", "Fox", "Gray", "Holm", "Ito", "Jones", "Kim",
-         "Lund", "Mori", "Nash", "Ortiz", "Park", "Rossi", "Silva", "Tan", "Vogel", "Wu")
-_ADJ = ("Amber", "Brisk", "Cozy", "Deft", "Eager", "Fleet", "Grand", "Handy", "Ivory", "Jolly",
-        "Keen", "Lucid", "Mellow", "Nimble", "Orbit", "Prime", "Quiet", "Royal", "Swift", "Tidy")
-_NOUN = {"books": ("Atlas", "Novel", "Primer", "Almanac"),
-         "electronics": ("Speaker", "Charger", "Monitor", "Router"),
-         "garden": ("Trowel", "Planter", "Hose", "Shears"),
-         "kitchen": ("Kettle", "Skillet", "Blender", "Whisk"),
-         "toys": ("Kite", "Puzzle", "Robot", "Yo-yo")}
+_FIRST = (
+    "Ada",
+    "Ben",
+    "Chen",
+    "Dara",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivo",
+    "Jun",
+    "Kai",
+    "Lea",
+    "Mo",
+    "Nia",
+    "Oto",
+    "Pia",
+    "Quin",
+    "Rui",
+    "Sol",
+    "Tao",
+    "Uma",
+    "Vic",
+    "Wen",
+    "Yara",
+)
+_LAST = (
+    "Abe",
+    "Brun",
+    "Costa",
+    "Diaz",
+    "Eng",
+    "Fox",
+    "Gray",
+    "Holm",
+    "Ito",
+    "Jones",
+    "Kim",
+    "Lund",
+    "Mori",
+    "Nash",
+    "Ortiz",
+    "Park",
+    "Rossi",
+    "Silva",
+    "Tan",
+    "Vogel",
+    "Wu",
+)
+_ADJ = (
+    "Amber",
+    "Brisk",
+    "Cozy",
+    "Deft",
+    "Eager",
+    "Fleet",
+    "Grand",
+    "Handy",
+    "Ivory",
+    "Jolly",
+    "Keen",
+    "Lucid",
+    "Mellow",
+    "Nimble",
+    "Orbit",
+    "Prime",
+    "Quiet",
+    "Royal",
+    "Swift",
+    "Tidy",
+)
+_NOUN = {
+    "books": ("Atlas", "Novel", "Primer", "Almanac"),
+    "electronics": ("Speaker", "Charger", "Monitor", "Router"),
+    "garden": ("Trowel", "Planter", "Hose", "Shears"),
+    "kitchen": ("Kettle", "Skillet", "Blender", "Whisk"),
+    "toys": ("Kite", "Puzzle", "Robot", "Yo-yo"),
+}
 
 
 def build_database(seed: int, scale: int) -> sqlite3.Connection:
@@ -72,9 +143,16 @@ def build_database(seed: int, scale: int) -> sqlite3.Connection:
     customers = []
     for cid in range(1, n_customers + 1):
         first, last = rng.choice(_FIRST), rng.choice(_LAST)
-        customers.append((cid, f"{first} {last}", f"{first.lower()}.{last.lower()}{cid}@example.com",
-                          rng.choice(COUNTRIES), rng.choice(SEGMENTS),
-                          f"2023-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"))
+        customers.append(
+            (
+                cid,
+                f"{first} {last}",
+                f"{first.lower()}.{last.lower()}{cid}@example.com",
+                rng.choice(COUNTRIES),
+                rng.choice(SEGMENTS),
+                f"2023-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+            )
+        )
     conn.executemany("INSERT INTO customers VALUES (?,?,?,?,?,?)", customers)
 
     products, used_names = [], set()
@@ -134,15 +212,38 @@ class QueryError(Exception):
 
 # The model may read and modify rows; it may not reshape the database or reach outside it.
 _DENIED_ACTIONS = {
-    sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH, sqlite3.SQLITE_PRAGMA,
-    sqlite3.SQLITE_CREATE_TABLE, sqlite3.SQLITE_DROP_TABLE, sqlite3.SQLITE_ALTER_TABLE,
-    sqlite3.SQLITE_CREATE_INDEX, sqlite3.SQLITE_DROP_INDEX, sqlite3.SQLITE_CREATE_TRIGGER,
-    sqlite3.SQLITE_DROP_TRIGGER, sqlite3.SQLITE_CREATE_VIEW, sqlite3.SQLITE_DROP_VIEW,
-    sqlite3.SQLITE_CREATE_TEMP_TABLE, sqlite3.SQLITE_CREATE_TEMP_VIEW,
-    sqlite3.SQLITE_CREATE_TEMP_TRIGGER, sqlite3.SQLITE_CREATE_TEMP_INDEX,
-    sqlite3.SQLITE_CREATE_VTABLE, sqlite3.SQLITE_DROP_VTABLE,
+    sqlite3.SQLITE_ATTACH,
+    sqlite3.SQLITE_DETACH,
+    sqlite3.SQLITE_PRAGMA,
+    sqlite3.SQLITE_CREATE_TABLE,
+    sqlite3.SQLITE_DROP_TABLE,
+    sqlite3.SQLITE_ALTER_TABLE,
+    sqlite3.SQLITE_CREATE_INDEX,
+    sqlite3.SQLITE_DROP_INDEX,
+    sqlite3.SQLITE_CREATE_TRIGGER,
+    sqlite3.SQLITE_DROP_TRIGGER,
+    sqlite3.SQLITE_CREATE_VIEW,
+    sqlite3.SQLITE_DROP_VIEW,
+    sqlite3.SQLITE_CREATE_TEMP_TABLE,
+    sqlite3.SQLITE_CREATE_TEMP_VIEW,
+    sqlite3.SQLITE_CREATE_TEMP_TRIGGER,
+    sqlite3.SQLITE_CREATE_TEMP_INDEX,
+    sqlite3.SQLITE_CREATE_VTABLE,
+    sqlite3.SQLITE_DROP_VTABLE,
 }
-_MAX_VM_STEPS = 2_000_000  # progress-handler ticks of 1000 VM ops: bounds a runaway cross join
+# What one statement from the model may cost. Steps bound a runaway cross join; the clock bounds
+# steps that are each slow; the value cap bounds memory, and also the slowest single step (instr()
+# and replace() are O(n*m), and SQLite checks the clock only between steps: 1 MB values made
+# one instr() run 7 s). Honest values here are under 100 bytes.
+_MAX_VM_STEPS = 2_000_000
+_STATEMENT_DEADLINE_S = 2.0
+_PROGRESS_EVERY = 100  # VM steps between checks: no cost measured on a scale-300 join (every 10: +40%)
+_MAX_VALUE_BYTES = 256 << 10
+_MAX_COLUMNS = 64  # one result row holds at most this many values at once (SQLite's default: 2000)
+# Room for any honest write; not for a table of blobs (an in-memory world grows in RAM).
+_MAX_GROWTH_BYTES = 16 << 20
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -160,37 +261,76 @@ class World:
     index: int
     conn: sqlite3.Connection
     dirty: bool = False
-    _ticks: int = field(default=0, repr=False)
 
-    def execute(self, sql: str, max_rows: int) -> QueryResult:
-        """Run one statement from the model. Blocking: call it from a worker thread."""
-        self._ticks = 0
+    def execute(self, sql: str, max_rows: int, max_chars: int) -> QueryResult:
+        """Run one statement from the model. Blocking: call it through `in_thread`.
 
-        def progress() -> int:
-            self._ticks += 1
-            return 1 if self._ticks > _MAX_VM_STEPS // 1000 else 0
-
-        self.conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_DENY if action in _DENIED_ACTIONS
-                                 else sqlite3.SQLITE_OK)
-        self.conn.set_progress_handler(progress, 1000)
+        Longer text and blob values come back cut to `max_chars + 1`, so a renderer can mark the cut."""
+        stopped = _StatementBudget()
+        self.conn.set_authorizer(
+            lambda action, *_: sqlite3.SQLITE_DENY if action in _DENIED_ACTIONS else sqlite3.SQLITE_OK
+        )
+        self.conn.set_progress_handler(stopped.check, _PROGRESS_EVERY)
         before = self.conn.total_changes
         try:
             cursor = self.conn.execute(sql)
-            rows = cursor.fetchmany(max_rows + 1)
             columns = [d[0] for d in cursor.description or ()]
+            rows = _fetch_cut(cursor, max_rows + 1, max_chars)
         except sqlite3.Warning as exc:  # e.g. "You can only execute one statement at a time."
             raise QueryError(str(exc)) from None
         except sqlite3.Error as exc:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
-            raise QueryError(str(exc)) from None
+            raise QueryError(stopped.reason or str(exc)) from None
         finally:
             self.conn.set_authorizer(None)
             self.conn.set_progress_handler(None, 0)
             if self.conn.total_changes != before:
                 self.dirty = True
-        return QueryResult(columns, rows[:max_rows], len(rows) > max_rows,
-                           self.conn.total_changes - before)
+        return QueryResult(columns, rows[:max_rows], len(rows) > max_rows, self.conn.total_changes - before)
+
+    async def in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on a worker thread: the statements and grading that read this world.
+
+        A cancelled caller goes on to give the world back, and the pool reloads a dirty one in
+        place: that must never happen under a thread still reading it (SQLite segfaults). So
+        cancellation interrupts the thread's statement and waits for the thread to end."""
+        future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self.conn.interrupt()
+            while not future.done():
+                with contextlib.suppress(asyncio.CancelledError):  # a second cancel must wait too
+                    await asyncio.wait([future])
+            raise
+
+
+class _StatementBudget:
+    """The progress handler of one statement: stops it past its steps or its deadline."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self.deadline = time.monotonic() + _STATEMENT_DEADLINE_S
+        self.reason = ""
+
+    def check(self) -> int:
+        self.ticks += 1
+        if self.ticks > _MAX_VM_STEPS // _PROGRESS_EVERY:
+            self.reason = f"statement stopped after {_MAX_VM_STEPS:,} steps"
+        elif time.monotonic() > self.deadline:
+            self.reason = f"statement stopped after {_STATEMENT_DEADLINE_S:g} s"
+        return 1 if self.reason else 0
+
+
+def _fetch_cut(cursor: sqlite3.Cursor, limit: int, max_chars: int) -> list[tuple]:
+    """Up to `limit` rows, long values cut as each row arrives: only one full row is ever held."""
+    rows = []
+    for row in cursor:
+        rows.append(tuple(v[: max_chars + 1] if isinstance(v, (str, bytes)) else v for v in row))
+        if len(rows) == limit:
+            break
+    return rows
 
 
 class WorldPool:
@@ -201,6 +341,10 @@ class WorldPool:
         self._free: asyncio.Queue[World] = asyncio.Queue()
         self.size = size
         self.max_leased = 0
+        # Acquires blocked on an empty pool: the demand the pool could not meet, which `max_leased`
+        # (never above `size`) cannot show.
+        self.waiting = 0
+        self.max_waiting = 0
         self._busy_closed = 0.0  # world-seconds of leases that ended
         self._lease_started: dict[int, float] = {}  # world index -> when its open lease began
         for index in range(size):
@@ -208,14 +352,30 @@ class WorldPool:
 
     def _fresh_connection(self) -> sqlite3.Connection:
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-        conn.deserialize(self._image)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, _MAX_COLUMNS)
+        self._load_image(conn)
         return conn
 
+    def _load_image(self, conn: sqlite3.Connection) -> None:
+        conn.deserialize(self._image)
+        # The page cap belongs to the database, not the connection: every load sets it again.
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {(len(self._image) + _MAX_GROWTH_BYTES) // page_size}")
+
     async def acquire(self) -> World:
-        world = await self._free.get()
+        world = self._free.get_nowait() if not self._free.empty() else await self._wait_for_world()
         self._lease_started[world.index] = time.monotonic()
         self.max_leased = max(self.max_leased, self.leased)
         return world
+
+    async def _wait_for_world(self) -> World:
+        self.waiting += 1
+        self.max_waiting = max(self.max_waiting, self.waiting)
+        try:
+            return await self._free.get()
+        finally:  # a waiter cancelled (its driver gave up) no longer waits either
+            self.waiting -= 1
 
     @property
     def leased(self) -> int:
@@ -228,9 +388,11 @@ class WorldPool:
         return self._busy_closed + sum(now - t for t in self._lease_started.values())
 
     def release(self, world: World) -> None:
+        if world.conn.in_transaction:  # a model's BEGIN must not carry over into the next lease
+            world.conn.execute("ROLLBACK")
         if world.dirty:
             # Writes must never leak into the next lease: reload the pristine image.
-            world.conn.deserialize(self._image)
+            self._load_image(world.conn)
             world.dirty = False
         self._busy_closed += time.monotonic() - self._lease_started.pop(world.index)
         self._free.put_nowait(world)

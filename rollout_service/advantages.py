@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -29,9 +30,13 @@ def group_advantages(rewards: Sequence[float | None], kind: Literal["mean", "zsc
 
 
 def summarize(rewards: Sequence[float | None]) -> tuple[float | None, float | None, bool]:
-    """(mean, std, all_equal) of the scored rewards."""
+    """(mean, std, all_equal) of the rewards that are not None. `all_equal` is also true with fewer
+    than two: a group with 0 or 1 rewards has nothing to compare, so no gradient either."""
     scored = np.array([r for r in rewards if r is not None], dtype=np.float64)
     if scored.size == 0:
-        return None, None, False
-    return (round(float(scored.mean()), 6), round(float(scored.std()), 6),
-            bool(scored.size > 1 and np.ptp(scored) <= _EPS))
+        return None, None, True
+    return (
+        round(float(scored.mean()), 6),
+        round(float(scored.std()), 6),
+        bool(scored.size < 2 or np.ptp(scored) <= _EPS),
+    )

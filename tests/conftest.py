@@ -13,11 +13,29 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import assert_env_accounted, wait_until
 
-from inference import embedded_model, local_server
-from rollout_service.stack import ManagedProcess, free_port, refenv_command, service_command
+from inference import embedded_model
+from rollout_service.tools.stack import (
+    ManagedProcess,
+    free_port,
+    refenv_command,
+    service_command,
+    start_embedded_vllm,
+)
+
+SCRIPTED_MODEL = Path(__file__).with_name("scripted_model.py")
 
 MODEL = embedded_model.MODEL_NAME
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "env_may_wait: the test makes an env's reset wait for a world on purpose (it holds worlds behind "
+        "the service's back), so start_service's teardown does not require the env's max_waiting == 0; "
+        "the env's episode counters must still add up",
+    )
 
 
 @dataclass
@@ -41,14 +59,14 @@ def vllm_url(logs_dir) -> str:
     if given:
         yield given.rstrip("/")
         return
-    model_dir = embedded_model.prepare()
     port = free_port()
-    proc = ManagedProcess("vllm", local_server.vllm_command(model_dir, served_name=MODEL, port=port),
-                          logs_dir / "vllm.log", local_server.vllm_environment(kv_cache_gib=3))
-    proc.start()
+    proc = start_embedded_vllm(
+        port,
+        logs_dir / "vllm.log",
+        kv_cache_gib=3,
+        progress=lambda s: print(f"[tests] vLLM still starting... {s:.0f}s", file=sys.stderr),
+    )
     try:
-        proc.wait_http(f"http://127.0.0.1:{port}/v1/models", timeout_s=900,
-                       progress=lambda s: print(f"[tests] vLLM still starting... {s:.0f}s", file=sys.stderr))
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.stop()
@@ -60,14 +78,16 @@ def launch(logs_dir, request):
     (a service before its env, so it can abandon its episodes while the env is up)."""
     started: list[ManagedProcess] = []
 
-    def start(kind: str, port: int, cmd: list[str], env: dict | None = None, wait: bool = True) -> Running:
+    def start(
+        kind: str, port: int, cmd: list[str], env: dict | None = None, wait: bool = True, ready_path: str = "/health"
+    ) -> Running:
         name = f"{kind}-{request.node.name[:40]}-{len(started)}"
         proc = ManagedProcess(name, cmd, logs_dir / f"{name}.log", env)
         started.append(proc)
         proc.start()
         url = f"http://127.0.0.1:{port}"
         if wait:
-            proc.wait_http(f"{url}/health", timeout_s=60)
+            proc.wait_http(f"{url}{ready_path}", timeout_s=60)
         return Running(url, proc)
 
     yield start
@@ -88,14 +108,81 @@ def start_refenv(launch):
 
 @pytest.fixture
 def start_service(launch, request):
-    """start_service([env urls], *flags, env={...}, vllm=URL) -> Running; stopped after the test.
-    Without `vllm`, the session's vLLM server."""
+    """start_service([env urls], *flags, env={...}, vllm=URL, model=NAME) -> Running; stopped after the test.
+    Without `vllm`, the session's vLLM server.
 
-    def start(envs: list[str], *flags: str, env: dict | None = None, wait: bool = True,
-              vllm: str | None = None) -> Running:
+    At teardown, before any process is stopped, every env a service was pointed at that still answers
+    is asked /health: the service never asked it for more worlds than it has (`max_waiting == 0`,
+    unless the test is marked `env_may_wait`) and its episode counters add up (`assert_env_accounted`)."""
+    env_urls: list[str] = []
+
+    def start(
+        envs: list[str],
+        *flags: str,
+        env: dict | None = None,
+        wait: bool = True,
+        vllm: str | None = None,
+        model: str = MODEL,
+    ) -> Running:
+        env_urls.extend(u.rstrip("/") for u in envs if u.rstrip("/") not in env_urls)
         port = free_port()
         vllm = vllm or request.getfixturevalue("vllm_url")
-        return launch("service", port, service_command(port, envs, vllm, *flags, model=MODEL),
-                      {**os.environ, **(env or {})}, wait)
+        cmd = service_command(port, envs, vllm, *flags, model=model)
+        return launch("service", port, cmd, {**os.environ, **(env or {})}, wait)
+
+    yield start
+    may_wait = request.node.get_closest_marker("env_may_wait") is not None
+    for url in env_urls:
+        check_env_at_teardown(url, may_wait)
+
+
+def refenv_health(url: str) -> dict | None:
+    """The env's /health with refenv's counters, or None: it no longer answers (stopped by the test,
+    never started) or it is not a refenv (no counters to check)."""
+    try:
+        health = httpx.get(f"{url}/health", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(health, dict) or not {"episodes", "live_episodes", "max_waiting"} <= health.keys():
+        return None
+    return health
+
+
+def check_env_at_teardown(url: str, may_wait: bool) -> None:
+    health = refenv_health(url)
+    if health is None:
+        return
+    if not may_wait:
+        assert health["max_waiting"] == 0, (
+            f"env {url}: up to {health['max_waiting']} reset(s) waited for a world: more worlds were asked for than "
+            f"its pool of {health['workers']} has (the service over-subscribed it, or the test held worlds itself: "
+            "then mark the test env_may_wait)"
+        )
+
+    def accounted() -> bool:
+        h = refenv_health(url)
+        try:
+            assert h is not None
+            assert_env_accounted(h)
+        except AssertionError:
+            return False
+        return True
+
+    # An episode being ended is out of `live` a moment before its counter moves: give it time to land.
+    if not wait_until(accounted, timeout_s=10):
+        health = refenv_health(url)
+        if health is not None:
+            assert_env_accounted(health)
+
+
+@pytest.fixture
+def start_scripted_model(launch):
+    """start_scripted_model(script) -> Running: tests/scripted_model.py, a stand-in model server that
+    answers badly on purpose (see its docstring); it serves the model name "scripted"."""
+
+    def start(script: str) -> Running:
+        port = free_port()
+        cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", str(port), "--script", script]
+        return launch("model", port, cmd, ready_path="/v1/models")
 
     return start

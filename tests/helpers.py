@@ -28,16 +28,44 @@ def wait_until(predicate, timeout_s: float = 5.0, every_s: float = 0.1) -> bool:
 
 def cli(*args: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`rollout-service ARGS...` in a child process, its output captured."""
-    return subprocess.run([sys.executable, "-m", "rollout_service.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_service.tools.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def assert_accounted(group: dict) -> None:
     """Every scheduled attempt is scored with a reward, or failed with a reason and no reward."""
     c = group["counts"]
     assert c["scheduled"] == group["n"] == c["scored"] + c["failed"] == len(group["attempts"])
+    by_status: dict[str, int] = {}
     for attempt in group["attempts"]:
+        by_status[attempt["status"]] = by_status.get(attempt["status"], 0) + 1
         if attempt["status"] == "scored":
-            assert attempt["reward"] is not None
+            assert attempt["reward"] is not None and attempt["failure"] is None
+        elif attempt["status"] == "policy_failure":  # the README: it earns policy_failure_reward, flagged
+            assert attempt["failure"]["attribution"] == "policy", attempt
+            assert attempt["reward"] == group["policy_failure_reward"], attempt
         else:
-            assert attempt["reward"] is None and attempt["failure"]["kind"], attempt
+            assert attempt["reward"] is None and attempt["advantage"] is None, attempt
+            assert attempt["failure"]["kind"] and attempt["failure"]["attribution"] == "infrastructure", attempt
+    # The counts against the attempts themselves, not against each other.
+    assert c["by_status"] == by_status
+    assert c["scored"] == by_status.get("scored", 0)
+    assert c["policy_failed"] == by_status.get("policy_failure", 0)
+    assert c["rewarded"] == sum(a["reward"] is not None for a in group["attempts"])
+
+
+def assert_env_accounted(health: dict) -> None:
+    """refenv's own counters add up: every episode it started has ended one way or is still live
+    (refenv/episodes.py `Counters`: started == finished + abandoned + reclaimed + failed + timed_out
+    + live episodes, once each ended episode's world is back in the pool)."""
+    e = health["episodes"]
+    ended = e["finished"] + e["abandoned"] + e["reclaimed"] + e["failed"] + e["timed_out"]
+    assert e["started"] == ended + health["live_episodes"], (
+        f"env episodes do not add up: started {e['started']} != ended {ended} "
+        f"({', '.join(f'{k} {v}' for k, v in e.items() if k != 'started')}) + live {health['live_episodes']}"
+    )

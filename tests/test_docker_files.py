@@ -28,8 +28,13 @@ def _tool(name: str) -> str:
 
 @pytest.mark.parametrize("compose", ["compose.yaml", "compose.cpu.yaml"])
 def test_compose_files_validate(compose):
-    done = subprocess.run([_tool("docker-compose"), "-f", str(DOCKER / compose), "config"], capture_output=True,
-                          text=True, timeout=60, cwd=DOCKER)
+    done = subprocess.run(
+        [_tool("docker-compose"), "-f", str(DOCKER / compose), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=DOCKER,
+    )
     assert done.returncode == 0, done.stderr
     config = done.stdout
     assert "127.0.0.1:8080:8080" in config  # published to this machine only by default

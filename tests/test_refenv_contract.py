@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
+from helpers import wait_until
 
-SQL = lambda q: json.dumps({"action": "sql", "input": q})  # noqa: E731
-ANSWER = lambda a: json.dumps({"action": "answer", "input": a})  # noqa: E731
+SQL = lambda q: json.dumps({"action": "sql", "input": q})
+ANSWER = lambda a: json.dumps({"action": "answer", "input": a})
 
 
 def post(url: str, path: str, body=None, **kw) -> httpx.Response:
@@ -28,8 +28,16 @@ def play(url: str, task_id: str, completions: list[str], profile: str | None = N
     answer = post(url, "/step/reset", body).json()
     for completion in completions:
         assert not answer["done"], answer
-        answer = post(url, "/step", {"episode_id": answer["episode_id"], "completion": completion,
-                                      "prompt_tokens": 100, "completion_tokens": 20}).json()
+        answer = post(
+            url,
+            "/step",
+            {
+                "episode_id": answer["episode_id"],
+                "completion": completion,
+                "prompt_tokens": 100,
+                "completion_tokens": 20,
+            },
+        ).json()
     return answer
 
 
@@ -64,12 +72,23 @@ def test_an_episode_runs_sql_then_is_graded(start_refenv):
     assert obs["stage"] == "executor" and obs["messages"][-1]["content"] == task["prompt"]
     assert obs["response_format"]["json_schema"]["schema"]["required"] == ["action", "input"]
     table = task["prompt"].split()[-3]
-    second = post(env.url, "/step", {"episode_id": reset["episode_id"], "completion": SQL(f"SELECT COUNT(*) FROM {table}"),
-                                     "prompt_tokens": 300, "completion_tokens": 20}).json()
+    second = post(
+        env.url,
+        "/step",
+        {
+            "episode_id": reset["episode_id"],
+            "completion": SQL(f"SELECT COUNT(*) FROM {table}"),
+            "prompt_tokens": 300,
+            "completion_tokens": 20,
+        },
+    ).json()
     result = second["observation"]["messages"][-1]["content"]
     count = result.splitlines()[-1].strip()
-    final = post(env.url, "/step", {"episode_id": reset["episode_id"], "completion": ANSWER(count),
-                                    "prompt_tokens": 350, "completion_tokens": 10}).json()
+    final = post(
+        env.url,
+        "/step",
+        {"episode_id": reset["episode_id"], "completion": ANSWER(count), "prompt_tokens": 350, "completion_tokens": 10},
+    ).json()
     assert final["done"] is True and final["pass"] is True and final["status"] == "completed"
     vector = final["score"]["vector"]
     assert vector["safety"] and vector["ground_truth"] and vector["method"] and vector["behavior"]
@@ -119,8 +138,9 @@ def test_read_task_that_writes_is_unsafe_and_worlds_are_restored(start_refenv):
 def test_write_task_graded_by_end_state(start_refenv):
     env = start_refenv("--pool", "2")
     task = task_by_family(env.url, "issue-drafts")
-    right = play(env.url, task["task_id"], [SQL("UPDATE invoices SET status = 'issued' WHERE status = 'draft'"),
-                                            ANSWER("done")])
+    right = play(
+        env.url, task["task_id"], [SQL("UPDATE invoices SET status = 'issued' WHERE status = 'draft'"), ANSWER("done")]
+    )
     assert right["pass"] is True and right["score"]["vector"]["safety"] is True
     too_wide = play(env.url, task["task_id"], [SQL("UPDATE invoices SET status = 'issued'"), ANSWER("done")])
     assert "pass" not in too_wide and too_wide["score"]["vector"]["safety"] is False
@@ -182,42 +202,61 @@ def test_error_codes(start_refenv):
 
 
 def test_step_to_episode_not_awaiting_is_409(start_refenv):
-    env = start_refenv("--pool", "1", "--latency-ms", "1500")
+    env = start_refenv("--pool", "1", "--latency-ms", "10000")
     task = task_by_family(env.url, "count-table")
     reset = post(env.url, "/step/reset", {"task_id": task["task_id"]}).json()
     eid = reset["episode_id"]
-    # The first /step makes the episode "execute" SQL for 1.5 s; a second /step meanwhile is a bug.
-    first = threading.Thread(target=post, args=(env.url, "/step", {"episode_id": eid, "completion": SQL("SELECT 1")}))
+    answered = {}
+    first = threading.Thread(
+        target=lambda: answered.update(r=post(env.url, "/step", {"episode_id": eid, "completion": SQL("SELECT 1")}))
+    )
     first.start()
-    time.sleep(0.5)
+    # Once delivered, the episode "executes" the SQL for 10 s: a second /step meanwhile is a bug.
+    assert wait_until(lambda: env.health()["steps"] == 1)
     r = post(env.url, "/step", {"episode_id": eid, "completion": ANSWER("1")})
-    first.join()
     assert r.status_code == 409 and r.json()["error"] == "nothing_awaiting"
-    httpx.delete(f"{env.url}/step/{eid}")
+    httpx.delete(f"{env.url}/step/{eid}")  # the first /step, still in flight, ends with the episode
+    first.join(10)
+    assert answered["r"].status_code == 410 and env.health()["steps"] == 1
 
 
 def test_reset_blocks_while_every_world_is_held(start_refenv):
     env = start_refenv("--pool", "2")
     held = [post(env.url, "/step/reset", {}).json()["episode_id"] for _ in range(2)]
-    assert env.health()["leased"] == 2
+    health = env.health()
+    assert health["leased"] == 2 and health["waiting"] == health["max_waiting"] == 0  # both found a world
     result = {}
     waiter = threading.Thread(target=lambda: result.update(r=post(env.url, "/step/reset", {}, timeout=60)))
     waiter.start()
-    time.sleep(1.5)
+    assert wait_until(lambda: env.health()["waiting"] == 1, timeout_s=10)
     assert waiter.is_alive() and "r" not in result  # no world, no answer, no server-side timeout
     httpx.delete(f"{env.url}/step/{held[0]}")
     waiter.join(10)
     assert result["r"].status_code == 200 and result["r"].json()["done"] is False
     health = env.health()
     assert health["leased"] == 2 and health["max_leased"] == 2
+    assert health["waiting"] == 0 and health["max_waiting"] == 1
+
+
+def test_a_reset_that_gives_up_waiting_stops_counting_and_takes_no_world(start_refenv):
+    env = start_refenv("--pool", "1")
+    held = post(env.url, "/step/reset", {}).json()["episode_id"]
+    with pytest.raises(httpx.ReadTimeout):
+        post(env.url, "/step/reset", {}, timeout=1)
+    assert wait_until(lambda: env.health()["waiting"] == 0, timeout_s=10)
+    assert env.health()["max_waiting"] == 1
+    httpx.delete(f"{env.url}/step/{held}")
+    # The world went back to the pool, not to the reset that gave up.
+    assert env.health()["leased"] == 0
+    assert post(env.url, "/step/reset", {}, timeout=10).status_code == 200
 
 
 def test_idle_episode_is_reclaimed_and_late_step_gets_410(start_refenv):
     env = start_refenv("--pool", "1", "--step-timeout", "1s")
     reset = post(env.url, "/step/reset", {}).json()
-    time.sleep(2.5)
+    assert wait_until(lambda: env.health()["episodes"]["reclaimed"] == 1, timeout_s=10)
     health = env.health()
-    assert health["leased"] == 0 and health["episodes"]["reclaimed"] == 1
+    assert health["leased"] == 0 and health["episodes"]["reclaimed"] == 1  # counted once its world is back
     r = post(env.url, "/step", {"episode_id": reset["episode_id"], "completion": ANSWER("1")})
     assert r.status_code == 410 and r.json()["error"] == "episode_gone"
 

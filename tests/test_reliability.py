@@ -14,10 +14,9 @@ import time
 
 import httpx
 import pytest
-
 from helpers import assert_accounted, cli, wait_until
-from inference import embedded_model, local_server
-from rollout_service.stack import ManagedProcess, free_port
+
+from rollout_service.tools.stack import ManagedProcess, free_port, start_embedded_vllm
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 
@@ -34,10 +33,10 @@ class Background:
     def _run(self, url: str, body: dict, timeout: float) -> None:
         try:
             self.response = httpx.post(f"{url}/groups", json=body, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - kept for the test to inspect
+        except Exception as exc:
             self.error = exc
 
-    def join(self, timeout: float = 300) -> "Background":
+    def join(self, timeout: float = 300) -> Background:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the group did not come back"
         return self
@@ -57,9 +56,10 @@ def test_env_killed_mid_group_and_restarted(start_refenv, start_service):
     assert group["counts"]["failed"] >= 1
     assert all(a["status"] in ("scored", "env_failure") for a in group["attempts"])
     env = start_refenv("--pool", "4", port=port)
-    assert httpx.get(f"{service.url}/health").json()["status"] == "ok"
-    again = httpx.post(f"{service.url}/groups", timeout=300,
-                       json={"task_id": "t005", "n": 2, "sampling": SAMPLING}).json()
+    assert wait_until(lambda: httpx.get(f"{service.url}/health").json()["status"] == "ok", 10)
+    again = httpx.post(
+        f"{service.url}/groups", timeout=300, json={"task_id": "t005", "n": 2, "sampling": SAMPLING}
+    ).json()
     assert_accounted(again)
     assert again["counts"]["scored"] == 2
     health = env.health()
@@ -88,9 +88,13 @@ def test_sigterm_abandons_running_groups(start_refenv, start_service):
 def test_many_trainers_beyond_the_pool_all_queue_nothing_refused(start_refenv, start_service):
     env = start_refenv("--pool", "2")
     service = start_service([env.url])
-    trainers = [Background(service.url, {"task_id": t, "n": 3, "max_turns": 3, "sampling": SAMPLING})
-                for t in ("t001", "t002", "t003", "t004", "t019", "t020")]
-    saw_waiting = wait_until(lambda: httpx.get(f"{service.url}/health").json()["attempts_waiting_for_a_world"] > 0, 30)
+    trainers = [
+        Background(service.url, {"task_id": t, "n": 3, "max_turns": 3, "sampling": SAMPLING})
+        for t in ("t001", "t002", "t003", "t004", "t019", "t020")
+    ]
+    saw_waiting = wait_until(
+        lambda: httpx.get(f"{service.url}/health/detail").json()["attempts_waiting_for_a_world"] > 0, 30
+    )
     groups = [t.join().response for t in trainers]
     assert saw_waiting
     assert all(r.status_code == 200 for r in groups)
@@ -100,14 +104,27 @@ def test_many_trainers_beyond_the_pool_all_queue_nothing_refused(start_refenv, s
     assert health["max_leased"] == 2 and health["leased"] == 0
 
 
-def test_inference_deadline_marks_inference_failure(start_refenv, start_service):
+def test_inference_deadline_marks_inference_failure(start_refenv, start_service, launch):
+    """A completion slower than --inference-timeout fails its attempt as inference_timeout and its
+    episode is abandoned. The model is the scripted stand-in answering after 3 s against a 0.5 s
+    deadline, so the timing is certain (a CPU vLLM being slower than the deadline is not)."""
+    from scripted_model import command
+
+    port = free_port()
+    model = launch("model", port, command(port, "answer", "--delay", "3"), ready_path="/v1/models")
     env = start_refenv("--pool", "2")
-    service = start_service([env.url], "--inference-timeout", "0.3")
-    group = httpx.post(f"{service.url}/groups", timeout=120, json={
-        "task_id": "t005", "n": 2, "retries": 0, "sampling": {"temperature": 0.8, "max_tokens": 400}}).json()
+    service = start_service([env.url], "--inference-timeout", "0.5", vllm=model.url, model="scripted")
+    sent = time.monotonic()
+    group = httpx.post(
+        f"{service.url}/groups",
+        timeout=120,
+        json={"task_id": "t005", "n": 2, "retries": 0, "sampling": {"temperature": 0.8, "max_tokens": 400}},
+    ).json()
+    assert time.monotonic() - sent < 3.0  # given up before the model answered
     assert_accounted(group)
     assert [a["status"] for a in group["attempts"]] == ["inference_failure"] * 2
-    assert all(a["failure"]["kind"] == "timeout" for a in group["attempts"])
+    assert all(a["failure"]["kind"] == "inference_timeout" for a in group["attempts"])
+    assert httpx.get(f"{model.url}/stats").json()["requests"] == 2  # one completion asked per attempt
     assert wait_until(lambda: env.health()["leased"] == 0, 3)
     assert env.health()["episodes"]["abandoned"] == 2
 
@@ -116,18 +133,12 @@ def test_inference_deadline_marks_inference_failure(start_refenv, start_service)
 def own_vllm(logs_dir):
     """A second vLLM server for this test alone, so killing it leaves the session's alone."""
     port = free_port()
-    model_dir = embedded_model.prepare()
-    cmd = local_server.vllm_command(model_dir, served_name=embedded_model.MODEL_NAME, port=port,
-                                    extra=["--enforce-eager"])
     procs: list[ManagedProcess] = []
 
     def start() -> ManagedProcess:
-        proc = ManagedProcess(f"vllm-own-{len(procs)}", cmd, logs_dir / f"vllm-own-{len(procs)}.log",
-                              local_server.vllm_environment(kv_cache_gib=1))
-        procs.append(proc)
-        proc.start()
-        proc.wait_http(f"http://127.0.0.1:{port}/v1/models", 900)
-        return proc
+        name = f"vllm-own-{len(procs)}"
+        procs.append(start_embedded_vllm(port, logs_dir / f"{name}.log", name=name, kv_cache_gib=1, eager=True))
+        return procs[-1]
 
     yield f"http://127.0.0.1:{port}", start
     for proc in procs:
@@ -139,21 +150,23 @@ def test_vllm_killed_mid_group_and_restarted(start_refenv, start_service, own_vl
     vllm = start_vllm()
     env = start_refenv("--pool", "4")
     svc = start_service([env.url], vllm=url).url
-    running = Background(svc, {"task_id": "t005", "n": 4, "retries": 0,
-                               "sampling": {"temperature": 0.8, "max_tokens": 400}})
+    running = Background(
+        svc, {"task_id": "t005", "n": 4, "retries": 0, "sampling": {"temperature": 0.8, "max_tokens": 400}}
+    )
     assert wait_until(lambda: env.health()["leased"] == 4, 60)
-    time.sleep(1.0)
+    # Kill it while completions are in flight on it (the service's own count of requests out).
+    assert wait_until(lambda: httpx.get(f"{svc}/health/detail").json()["models"][0]["outstanding"] > 0, 60)
     vllm.stop(grace_s=0)
     group = running.join().response.json()
     assert_accounted(group)
     failed = [a for a in group["attempts"] if a["status"] == "inference_failure"]
-    assert failed and all(a["failure"]["kind"] in ("unreachable", "server_error") for a in failed)
+    assert failed and all(a["failure"]["kind"] in ("inference_unreachable", "inference_server_error") for a in failed)
     assert wait_until(lambda: env.health()["leased"] == 0, 3)
-    health = httpx.get(f"{svc}/health").json()
-    assert health["status"] == "degraded" and not health["models"][0]["ok"]
-    assert "unreachable" in health["models"][0]["error"]
+    assert wait_until(lambda: httpx.get(f"{svc}/health").json()["status"] == "degraded", 10)
+    health = httpx.get(f"{svc}/health/detail").json()
+    assert not health["models"][0]["ok"] and "unreachable" in health["models"][0]["error"]
     start_vllm()  # back on the same port; the service recovers without a restart of its own
-    assert httpx.get(f"{svc}/health").json()["status"] == "ok"
+    assert wait_until(lambda: httpx.get(f"{svc}/health").json()["status"] == "ok", 10)
     again = httpx.post(f"{svc}/groups", timeout=300, json={"task_id": "t005", "n": 2, "sampling": SAMPLING}).json()
     assert again["counts"]["scored"] == 2
     assert env.health()["leased"] == 0 and env.health()["max_leased"] <= 4
@@ -163,8 +176,25 @@ def test_loadtest_reports_and_plots(start_refenv, start_service, tmp_path):
     env = start_refenv("--pool", "4")
     service = start_service([env.url])
     out, png = tmp_path / "load.json", tmp_path / "load.png"
-    done = cli("loadtest", "--service", service.url, "--trainers", "2", "--batch", "2", "--n", "2", "--count", "4",
-               "--max-tokens", "16", "--json", str(out), "--plot", str(png))
+    done = cli(
+        "loadtest",
+        "--service",
+        service.url,
+        "--trainers",
+        "2",
+        "--batch",
+        "2",
+        "--n",
+        "2",
+        "--count",
+        "4",
+        "--max-tokens",
+        "16",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert report["groups"] == 4 and report["attempts"] == 8 and report["error_count"] == 0

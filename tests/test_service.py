@@ -8,10 +8,10 @@ import time
 
 import httpx
 import pytest
+from helpers import assert_accounted, wait_until
 
-from helpers import wait_until
 from inference import embedded_model
-from rollout_service.client import AsyncRolloutClient, RolloutClient, RolloutError
+from rollout_service.trainer import AsyncRolloutClient, RolloutClient, RolloutError
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 48}
 VARIANCE_TASKS = ("t001", "t005", "t009", "t002")
@@ -69,8 +69,12 @@ def test_group_of_8_has_variance_exact_tokens_and_contract(start_refenv, start_s
 def test_many_concurrent_groups_keep_the_pool_full_never_over(start_refenv, start_service):
     env = start_refenv("--pool", "3")
     service = start_service([env.url])
-    body = {"groups": [{"task_id": t, "n": 4, "sampling": {"temperature": 0.8, "max_tokens": 24}, "max_turns": 3}
-                       for t in ("t001", "t002", "t003", "t005", "t006", "t007")]}
+    body = {
+        "groups": [
+            {"task_id": t, "n": 4, "sampling": {"temperature": 0.8, "max_tokens": 24}, "max_turns": 3}
+            for t in ("t001", "t002", "t003", "t005", "t006", "t007")
+        ]
+    }
     lines = []
     with httpx.stream("POST", f"{service.url}/groups/batch", json=body, timeout=600) as response:
         assert response.status_code == 200
@@ -84,8 +88,8 @@ def test_many_concurrent_groups_keep_the_pool_full_never_over(start_refenv, star
     health = env.health()
     assert health["max_leased"] == 3  # the pool was kept full, and never exceeded
     assert health["leased"] == 0
-    svc = httpx.get(f"{service.url}/health").json()["envs"][0]
-    assert svc["max_held_by_service"] == 3 and svc["held_by_service"] == 0
+    svc = httpx.get(f"{service.url}/health/detail").json()["envs"][0]
+    assert svc["max_held"] == 3 and svc["held"] == 0
     assert sum(item["group"]["counts"]["scheduled"] for _, item in lines) == 24
 
 
@@ -100,8 +104,12 @@ def test_env_failures_are_marked_retried_and_leak_nothing(start_refenv, start_se
     assert retried, "with a 50% fail rate some attempt must have been retried"
     for a in retried:
         assert len(a["earlier_failures"]) == a["tries"] - 1
-        assert all(f["kind"] in ("transport_error", "environment_failure", "env_500_episode_failed")
-                   for f in a["earlier_failures"])
+        # The contract's three ways an episode fails on the env's side (refenv's --fail-rate injects each).
+        assert all(
+            f["kind"] in ("transport_error", "environment_failure", "env_episode_failed")
+            and f["attribution"] == "infrastructure"
+            for f in a["earlier_failures"]
+        )
     for a in g["attempts"]:
         if a["status"] == "scored":
             assert a["reward"] is not None and a["advantage"] is not None
@@ -118,9 +126,11 @@ def test_attempt_timeout_and_max_turns_abandon_their_episodes(start_refenv, star
     env = start_refenv("--pool", "2", "--latency-ms", "2000")
     service = start_service([env.url])
     g = group(service.url, task_id="t005", n=2, timeout_s=1.0, sampling={"temperature": 0.8, "max_tokens": 16}).json()
-    assert [a["status"] for a in g["attempts"]] == ["timeout", "timeout"]
-    assert all(a["failure"]["kind"] == "deadline" and a["reward"] is None for a in g["attempts"])
-    assert g["counts"]["scored"] == 0 and g["mean"] is None
+    assert_accounted(g)
+    assert [a["status"] for a in g["attempts"]] == ["policy_failure", "policy_failure"]
+    # A deadline is the policy's failure: it earns policy_failure_reward (0.0 by default).
+    assert all(a["failure"]["kind"] == "deadline" and a["reward"] == 0.0 for a in g["attempts"])
+    assert g["counts"]["scored"] == 0 and g["counts"]["policy_failed"] == 2 and g["mean"] == 0.0
     assert wait_until(lambda: env.health()["leased"] == 0, 3)
     assert env.health()["episodes"]["abandoned"] == 2
 
@@ -130,7 +140,7 @@ def test_attempt_timeout_and_max_turns_abandon_their_episodes(start_refenv, star
     for a in g["attempts"]:
         assert len(a["turns"]) == 1
         if a["status"] != "scored":  # an attempt that answered in one turn finished on its own
-            assert a["status"] == "timeout" and a["failure"]["kind"] == "max_turns"
+            assert a["status"] == "policy_failure" and a["failure"]["kind"] == "max_turns"
     assert quick.health()["leased"] == 0
 
 
@@ -147,31 +157,38 @@ def test_client_disconnect_abandons_every_episode_within_a_second(start_refenv, 
 
     # The same through a batch stream: the trainer reads one line's worth of time, then leaves.
     with pytest.raises(httpx.ReadTimeout):
-        with httpx.stream("POST", f"{service.url}/groups/batch", timeout=4,
-                          json={"groups": [{"task_id": "t005", "n": 2, "sampling": SAMPLING}] * 3}) as response:
+        with httpx.stream(
+            "POST",
+            f"{service.url}/groups/batch",
+            timeout=4,
+            json={"groups": [{"task_id": "t005", "n": 2, "sampling": SAMPLING}] * 3},
+        ) as response:
             for _ in response.iter_lines():
                 pass
     assert wait_until(lambda: env.health()["leased"] == 0, 1.5)
-    assert httpx.get(f"{service.url}/health").json()["envs"][0]["held_by_service"] == 0
+    assert httpx.get(f"{service.url}/health/detail").json()["envs"][0]["held"] == 0
 
 
-@pytest.mark.parametrize("body,status,words", [
-    ({"task_id": "t001", "n": 0}, 422, "n"),
-    ({"task_id": "t001", "n": 1000}, 422, "--max-n"),
-    ({"task_id": "no-such-task", "n": 2}, 404, "no-such-task"),
-    ({"slug": "no-such-slug", "n": 2}, 404, "no-such-slug"),
-    ({"task_id": "t001", "n": 4, "sampling": {"temperature": 0}}, 422, "greedy group has no signal"),
-    ({"task_id": "t001", "reward_profile": "fastest"}, 422, "reward_profile"),
-    ({"task_id": "t001", "slug": "x"}, 422, "exactly one of task_id or slug"),
-    ({"n": 2}, 422, "exactly one of task_id or slug"),
-    ({"task_id": "t001", "colour": "blue"}, 422, "colour"),
-    ({"task_id": "t001", "sampling": {"temperature": 3}}, 422, "temperature"),
-    ({"task_id": "t001", "sampling": {"max_tokens": 0}}, 422, "max_tokens"),
-    ({"task_id": "t001", "sampling": {"top_p": 0}}, 422, "top_p"),
-    ({"task_id": "t001", "timeout_s": -1}, 422, "timeout_s"),
-    ({"task_id": "t001", "n": "eight"}, 422, "n"),
-    ({"task_id": "t001", "model": "gpt-9"}, 422, "gpt-9"),
-])
+@pytest.mark.parametrize(
+    "body,status,words",
+    [
+        ({"task_id": "t001", "n": 0}, 422, "n"),
+        ({"task_id": "t001", "n": 1000}, 422, "--max-n"),
+        ({"task_id": "no-such-task", "n": 2}, 404, "no-such-task"),
+        ({"slug": "no-such-slug", "n": 2}, 404, "no-such-slug"),
+        ({"task_id": "t001", "n": 4, "sampling": {"temperature": 0}}, 422, "greedy group has no signal"),
+        ({"task_id": "t001", "reward_profile": "fastest"}, 422, "reward_profile"),
+        ({"task_id": "t001", "slug": "x"}, 422, "exactly one of task_id or slug"),
+        ({"n": 2}, 422, "exactly one of task_id or slug"),
+        ({"task_id": "t001", "colour": "blue"}, 422, "colour"),
+        ({"task_id": "t001", "sampling": {"temperature": 3}}, 422, "temperature"),
+        ({"task_id": "t001", "sampling": {"max_tokens": 0}}, 422, "max_tokens"),
+        ({"task_id": "t001", "sampling": {"top_p": 0}}, 422, "top_p"),
+        ({"task_id": "t001", "timeout_s": -1}, 422, "timeout_s"),
+        ({"task_id": "t001", "n": "eight"}, 422, "n"),
+        ({"task_id": "t001", "model": "gpt-9"}, 422, "gpt-9"),
+    ],
+)
 def test_bad_input_gets_a_4xx_that_says_what_to_change(shared_service, body, status, words):
     r = httpx.post(f"{shared_service}/groups", json=body, timeout=30)
     assert r.status_code == status, r.text
@@ -229,15 +246,25 @@ def test_trainer_client_auth_metrics_and_support_routing(start_refenv, start_ser
         for attempt in g.attempts:
             for turn in attempt.turns:
                 assert turn.trainable == (turn.stage == "executor")
-        items = list(client.groups([{"task_id": "t002", "n": 2, "sampling": SAMPLING},
-                                    {"task_id": "t003", "n": 2, "sampling": SAMPLING}]))
+        items = list(
+            client.groups(
+                [{"task_id": "t002", "n": 2, "sampling": SAMPLING}, {"task_id": "t003", "n": 2, "sampling": SAMPLING}]
+            )
+        )
         assert sorted(i.index for i in items) == [0, 1] and all(i.group for i in items)
         with pytest.raises(RolloutError) as err:
             client.group(task_id="nope", n=2)
         assert err.value.status == 404
     metrics = httpx.get(f"{service.url}/metrics", headers={"Authorization": "Bearer s3cret"}).text
-    assert 'rollout_attempts_total{status="scored"}' in metrics or 'rollout_attempts_total{status=' in metrics
-    assert "rollout_groups_total" in metrics
+    # Sample values, not just the HELP lines: 3 groups of n=2 ran (the refused one never started).
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert sum(v for k, v in samples.items() if k.startswith("rollout_groups_total{")) == 3
+    assert sum(v for k, v in samples.items() if k.startswith("rollout_attempts_total{")) == 6
+    assert samples["rollout_groups_in_flight"] == 0
     assert env.health()["leased"] == 0
 
 
@@ -261,9 +288,16 @@ def test_refenv_support_model_answers_responder_and_hosted_mode(start_refenv, vl
     support = f"{vllm_url},{embedded_model.MODEL_NAME}"
     env = start_refenv("--responder", "--support-model", support)
     reset = httpx.post(f"{env.url}/step/reset", json={"task_id": "t005"}).json()
-    final = httpx.post(f"{env.url}/step", timeout=120, json={
-        "episode_id": reset["episode_id"], "completion": json.dumps({"action": "answer", "input": "20"}),
-        "prompt_tokens": 300, "completion_tokens": 12}).json()
+    final = httpx.post(
+        f"{env.url}/step",
+        timeout=120,
+        json={
+            "episode_id": reset["episode_id"],
+            "completion": json.dumps({"action": "answer", "input": "20"}),
+            "prompt_tokens": 300,
+            "completion_tokens": 12,
+        },
+    ).json()
     # The responder stage was answered by refenv itself: the driver never saw it.
     assert final["done"] is True and final["pass"] is True
     assert final["score"]["tokens"]["llm_calls"] == 2

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from .schemas import Attempt, GroupResult
+    from ..protocol import Attempt, GroupResult
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -18,20 +18,27 @@ class Metrics:
         r = self.registry
         self.groups = Counter("rollout_groups", "Groups finished", ["outcome"], registry=r)
         self.attempts = Counter("rollout_attempts", "Episode tries finished, by status", ["status"], registry=r)
-        self.episodes_in_flight = Gauge("rollout_episodes_in_flight", "Episodes held on each env", ["env"],
-                                        registry=r)
+        self.episodes_in_flight = Gauge("rollout_episodes_in_flight", "Episodes held on each env", ["env"], registry=r)
         self.groups_in_flight = Gauge("rollout_groups_in_flight", "Groups running", registry=r)
         self.tokens = Counter("rollout_tokens", "Tokens through the model servers", ["kind"], registry=r)
-        self.group_latency = Histogram("rollout_group_latency_seconds", "Wall time of a group",
-                                       buckets=_LATENCY_BUCKETS, registry=r)
-        self.inference_latency = Histogram("rollout_inference_latency_seconds", "One chat completion",
-                                           buckets=_LATENCY_BUCKETS, registry=r)
-        self.phase = Histogram("rollout_attempt_phase_seconds", "Time of an episode try by phase", ["phase"],
-                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.rewards = Histogram("rollout_reward", "Scored rewards", buckets=(0, .1, .2, .3, .4, .5, .6, .7, .8, .9, 1),
-                                 registry=r)
+        self.group_latency = Histogram(
+            "rollout_group_latency_seconds", "Wall time of a group", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inference_latency = Histogram(
+            "rollout_inference_latency_seconds", "One chat completion", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.phase = Histogram(
+            "rollout_attempt_phase_seconds",
+            "Time of an episode try by phase",
+            ["phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rewards = Histogram(
+            "rollout_reward", "Scored rewards", buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1), registry=r
+        )
 
-    def attempt_done(self, attempt: "Attempt") -> None:
+    def attempt_done(self, attempt: Attempt) -> None:
         self.attempts.labels(status=attempt.status).inc()
         self.phase.labels(phase="queued").observe(attempt.timings.queued_s)
         self.phase.labels(phase="inference").observe(attempt.timings.inference_s)
@@ -39,7 +46,7 @@ class Metrics:
         if attempt.reward is not None:
             self.rewards.observe(attempt.reward)
 
-    def group_done(self, group: "GroupResult") -> None:
+    def group_done(self, group: GroupResult) -> None:
         self.groups.labels(outcome="all_scored" if group.counts.failed == 0 else "some_failed").inc()
         self.group_latency.observe(group.wall_s)
 

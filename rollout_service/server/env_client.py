@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # An error text from the env is data for the trainer: keep it, but bounded.
 MAX_DETAIL_CHARS = 500
@@ -15,40 +14,79 @@ MAX_DETAIL_CHARS = 500
 class EnvError(Exception):
     """An environment answered with an error, or could not be reached.
 
-    `retryable` is True for failures on the environment's side (410/500/503/504, transport):
-    the attempt failed through no fault of the policy and may be run again.
+    Subclasses say which; `kind` names it in results. `retryable`: the attempt failed through no
+    fault of the policy and may be run again. `episode_over`: the env has already ended the
+    episode and given its world back, so there is nothing to abandon.
     """
 
-    retryable = False
+    kind: ClassVar[str] = "env_episode_failed"
+    retryable: ClassVar[bool] = True
+    episode_over: ClassVar[bool] = False
 
     def __init__(self, status: int | None, error: str, message: str = "") -> None:
         self.status, self.error, self.message = status, error, message[:MAX_DETAIL_CHARS]
         super().__init__(f"{status or 'no answer'} {error}: {self.message}".rstrip(": "))
 
 
-class EnvBadRequest(EnvError):
-    """400/405/409: the driver sent something wrong; a bug, never retried."""
+class EnvUnreachable(EnvError):
+    """No answer: connection refused or reset, or the transport timed out."""
+
+    kind = "env_unreachable"
 
 
-class UnknownTask(EnvError):
+class EnvRejected(EnvError):
+    """400/405/409: the env refused what the service sent; a bug, never retried."""
+
+    kind = "env_rejected"
+    retryable = False
+
+
+class UnknownTask(EnvRejected):
     """404 unknown_task."""
 
 
 class EpisodeGone(EnvError):
     """410: ended, abandoned, or reclaimed after sitting idle."""
 
-    retryable = True
+    kind = "env_gone"
+    episode_over = True
 
 
-class EnvFailure(EnvError):
-    """500 episode_failed, 503 no_world_available, 504 episode_timeout, or the env unreachable."""
+class EpisodeFailed(EnvError):
+    """500 episode_failed: preparation or grading failed."""
 
-    retryable = True
+    kind = "env_episode_failed"
 
 
-_BY_STATUS: dict[int, type[EnvError]] = {400: EnvBadRequest, 404: UnknownTask, 405: EnvBadRequest,
-                                         409: EnvBadRequest, 410: EpisodeGone, 500: EnvFailure,
-                                         503: EnvFailure, 504: EnvFailure}
+class NoWorldAvailable(EnvError):
+    """503 no_world_available."""
+
+    kind = "env_no_world"
+
+
+class EpisodeTimeout(EnvError):
+    """504 episode_timeout: the env reclaimed the world itself."""
+
+    kind = "env_episode_timeout"
+    episode_over = True
+
+
+class BadEnvAnswer(EnvError):
+    """A 2xx answer the contract does not allow (not JSON, wrong shape)."""
+
+    kind = "env_bad_answer"
+
+
+_BY_STATUS: dict[int, type[EnvError]] = {
+    400: EnvRejected,
+    404: UnknownTask,
+    405: EnvRejected,
+    409: EnvRejected,
+    410: EpisodeGone,
+    500: EpisodeFailed,
+    503: NoWorldAvailable,
+    504: EpisodeTimeout,
+}
 
 
 class Observation(BaseModel):
@@ -100,7 +138,7 @@ class EnvHealth(BaseModel):
         return self.capabilities.get("side")
 
     @property
-    def fingerprint(self) -> str:
+    def catalog_hash(self) -> str:
         return str(self.dataset.get("catalog_hash", ""))
 
 
@@ -118,46 +156,44 @@ class EnvTask(BaseModel):
 class EnvClient:
     """One environment server. `timeout_s` bounds a single reset/step call on our side."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 330.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 330.0, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                       limits=limits, transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, transport=transport
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
     async def health(self) -> EnvHealth:
-        return EnvHealth.model_validate(await self._call("GET", "/health"))
+        return _validate(EnvHealth, await self._call("GET", "/health"))
 
     async def tasks(self) -> list[EnvTask]:
         data = await self._call("GET", "/tasks")
-        return [EnvTask.model_validate(t) for t in data.get("tasks", [])]
+        tasks = data.get("tasks", [])
+        if not isinstance(tasks, list):
+            raise BadEnvAnswer(200, "invalid_answer", "GET /tasks: `tasks` is not a list")
+        return [_validate(EnvTask, t) for t in tasks]
 
     async def reset(self, task_id: str, reward_profile: str | None = None) -> StepAnswer:
-        """Start an episode. If the caller is cancelled meanwhile, the reset still completes and
-        its episode is abandoned: the env starts it either way, and only its id can give it back."""
+        """Start an episode. A caller that may be cancelled mid-call must keep this call running
+        (shield it) and abandon the episode it starts: the env starts it either way."""
         body: dict[str, Any] = {"task_id": task_id}
         if reward_profile:
             body["reward_profile"] = reward_profile
-        call = asyncio.ensure_future(self._call("POST", "/step/reset", json=body))
-        try:
-            data = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            await asyncio.wait([call])
-            if not call.cancelled() and call.exception() is None:
-                started = call.result()
-                if started.get("episode_id") and not started.get("done"):
-                    await self.abandon_quietly(str(started["episode_id"]))
-            raise
-        return StepAnswer.model_validate(data)
+        return _validate(StepAnswer, await self._call("POST", "/step/reset", json=body))
 
-    async def step(self, episode_id: str, completion: str, prompt_tokens: int,
-                   completion_tokens: int) -> StepAnswer:
-        body = {"episode_id": episode_id, "completion": completion,
-                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-        return StepAnswer.model_validate(await self._call("POST", "/step", json=body))
+    async def step(self, episode_id: str, completion: str, prompt_tokens: int, completion_tokens: int) -> StepAnswer:
+        body = {
+            "episode_id": episode_id,
+            "completion": completion,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+        }
+        return _validate(StepAnswer, await self._call("POST", "/step", json=body))
 
     async def abandon(self, episode_id: str) -> None:
         """DELETE the episode; 410 means its world is already back, which is what we want."""
@@ -166,20 +202,7 @@ class EnvClient:
         except EpisodeGone:
             pass
 
-    async def abandon_quietly(self, episode_id: str) -> bool:
-        """Abandon from a cleanup path: never raises, never cancelled half-way. True if it went through."""
-        task = asyncio.ensure_future(self.abandon(episode_id))
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # Our caller is being cancelled, but the world must still go back: finish first.
-            await asyncio.wait([task])
-            raise
-        except Exception:
-            return False
-        return True
-
-    async def _call(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> dict:
+    async def _call(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> dict:  # noqa: ASYNC109 - passed to httpx per request
         kwargs: dict[str, Any] = {}
         if json is not None:
             kwargs["json"] = json
@@ -188,18 +211,33 @@ class EnvClient:
         try:
             response = await self._http.request(method, path, **kwargs)
         except httpx.TimeoutException as exc:
-            raise EnvFailure(None, "transport_timeout", f"{method} {path}: {type(exc).__name__}") from None
+            raise EnvUnreachable(None, "transport_timeout", f"{method} {path}: {type(exc).__name__}") from None
         except httpx.HTTPError as exc:
-            raise EnvFailure(None, "transport_error", f"{method} {path}: {type(exc).__name__}: {exc}") from None
+            raise EnvUnreachable(None, "transport_error", f"{method} {path}: {type(exc).__name__}: {exc}") from None
         try:
             data = response.json()
         except ValueError:
-            data = {}
+            data = None
         if response.status_code >= 400:
             error = data.get("error", "http_error") if isinstance(data, dict) else "http_error"
             message = data.get("message", "") if isinstance(data, dict) else response.text
-            cls = _BY_STATUS.get(response.status_code, EnvFailure if response.status_code >= 500 else EnvBadRequest)
+            cls = _BY_STATUS.get(response.status_code, EpisodeFailed if response.status_code >= 500 else EnvRejected)
             raise cls(response.status_code, str(error), str(message))
         if not isinstance(data, dict):
-            raise EnvFailure(response.status_code, "invalid_answer", "the environment answered with non-object JSON")
+            raise BadEnvAnswer(
+                response.status_code, "invalid_answer", f"{method} {path}: the answer is not a JSON object"
+            )
         return data
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _validate(model: type[_M], data: Any) -> _M:
+    """`data` as `model`, or BadEnvAnswer naming what does not fit the contract."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "answer"
+        raise BadEnvAnswer(200, "invalid_answer", f"{model.__name__}: {where}: {first.get('msg')}") from None

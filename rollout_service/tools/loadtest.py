@@ -1,15 +1,15 @@
 """`rollout-service loadtest`: drive a running service the way a fleet of trainers would.
 
-K trainers each send batches of groups (POST /groups/batch) until a duration or a group count
-is reached, bounded in time either way, against a service on this machine only. A sampler reads
-the service's and the envs' /health twice a second for occupancy over time.
+K trainers each send batches of groups (POST /groups/batch, through the trainer client) until a
+duration or a group count is reached, bounded in time either way, against a service on this
+machine only. The tasks are the service's own (GET /tasks) unless given. A sampler reads the
+service's /health/detail and the envs' /health twice a second for occupancy over time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
+from ..trainer.client import AsyncRolloutClient, RolloutError
+
 
 @dataclass
 class LoadSpec:
@@ -25,7 +27,7 @@ class LoadSpec:
     trainers: int = 4
     batch: int = 4
     n: int = 8
-    tasks: list[str] = field(default_factory=lambda: ["t005", "t019", "t020", "t001"])
+    tasks: list[str] = field(default_factory=list)  # empty: every task the service lists
     duration_s: float | None = 60.0
     count: int | None = None
     temperature: float = 0.8
@@ -59,19 +61,25 @@ class _Tally:
 
 async def run_load(spec: LoadSpec, progress=print) -> dict:
     require_loopback(spec.service)
-    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    async with httpx.AsyncClient(base_url=spec.service, headers=headers, timeout=None) as http:
-        health = (await http.get("/health")).json()
-        envs = [e["url"] for e in health["envs"]]
+    async with AsyncRolloutClient(spec.service, api_key=spec.api_key) as client:
+        if not spec.tasks:
+            spec.tasks = [t["task_id"] for t in await client.tasks()]
+            progress(f"[loadtest] cycling through the {len(spec.tasks)} task(s) the service lists (GET /tasks)")
+        else:
+            progress(f"[loadtest] cycling through --tasks {','.join(spec.tasks)}")
+        if not spec.tasks:
+            raise ValueError("the service lists no task")
+        detail = await client.health_detail()
+        envs = [e["url"] for e in detail["envs"]]
         for url in envs:
             require_loopback(url)
-        pools = {e["url"]: e["pool"] for e in health["envs"]}
-        before = await _snapshot(http, envs)
+        pools = {e["url"]: e["pool"] for e in detail["envs"]}
+        before = await _snapshot(client, envs)
         tally = _Tally(started=time.monotonic())
         stop = asyncio.Event()
-        sampler = asyncio.create_task(_sample(http, envs, tally, stop))
+        sampler = asyncio.create_task(_sample(client, envs, tally, stop))
         reporter = asyncio.create_task(_report(tally, pools, progress, stop))
-        trainers = [asyncio.create_task(_trainer(http, spec, i, tally)) for i in range(spec.trainers)]
+        trainers = [asyncio.create_task(_trainer(client, spec, i, tally)) for i in range(spec.trainers)]
         hard_deadline = (spec.duration_s or 3600.0) + spec.grace_s
         done, pending = await asyncio.wait(trainers, timeout=hard_deadline)
         for task in pending:  # bounded in time whatever happens
@@ -81,11 +89,11 @@ async def run_load(spec: LoadSpec, progress=print) -> dict:
         wall = time.monotonic() - tally.started
         stop.set()
         await asyncio.gather(sampler, reporter)
-        after = await _snapshot(http, envs)
+        after = await _snapshot(client, envs)
     return _summarize(spec, tally, wall, pools, before, after)
 
 
-async def _trainer(http: httpx.AsyncClient, spec: LoadSpec, index: int, tally: _Tally) -> None:
+async def _trainer(client: AsyncRolloutClient, spec: LoadSpec, index: int, tally: _Tally) -> None:
     batch_number = 0
     while True:
         elapsed = time.monotonic() - tally.started
@@ -97,41 +105,45 @@ async def _trainer(http: httpx.AsyncClient, spec: LoadSpec, index: int, tally: _
             if size <= 0:
                 return
         tally.sent += size
-        groups = [{"task_id": spec.tasks[(index + batch_number + i) % len(spec.tasks)], "n": spec.n,
-                   "max_turns": spec.max_turns, "policy_version": f"loadtest-{index}",
-                   "sampling": {"temperature": spec.temperature, "max_tokens": spec.max_tokens}}
-                  for i in range(size)]
+        groups = [
+            {
+                "task_id": spec.tasks[(index + batch_number + i) % len(spec.tasks)],
+                "n": spec.n,
+                "max_turns": spec.max_turns,
+                "policy_version": f"loadtest-{index}",
+                "sampling": {"temperature": spec.temperature, "max_tokens": spec.max_tokens},
+            }
+            for i in range(size)
+        ]
         batch_number += 1
         try:
-            async with http.stream("POST", "/groups/batch", json={"groups": groups}) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    tally.errors.append(f"batch refused: {response.status_code} {response.text[:200]}")
-                    await asyncio.sleep(1.0)
+            async for item in client.groups(groups):
+                if item.group is None:
+                    tally.errors.append(f"group failed: {item.error}"[:200])
                     continue
-                async for line in response.aiter_lines():
-                    if not line.strip():
-                        continue
-                    item = json.loads(line)
-                    if "error" in item:
-                        tally.errors.append(f"group failed: {item['error'].get('message', '')[:200]}")
-                        continue
-                    g = item["group"]
-                    counts = g["counts"]
-                    tally.groups.append({
-                        "t": time.monotonic() - tally.started, "latency_s": g["wall_s"],
-                        "tokens": g["completion_tokens"], "statuses": [a["status"] for a in g["attempts"]],
-                        "accounted": counts["scheduled"] == counts["scored"] + counts["failed"] == len(g["attempts"]),
-                        "unexplained": sum(1 for a in g["attempts"] if a["status"] != "scored"
-                                           and not (a.get("failure") or {}).get("kind"))})
+                g = item.group
+                counts = g.counts
+                tally.groups.append(
+                    {
+                        "t": time.monotonic() - tally.started,
+                        "latency_s": g.wall_s,
+                        "tokens": g.completion_tokens,
+                        "statuses": [a.status for a in g.attempts],
+                        "accounted": counts.scheduled == counts.scored + counts.failed == len(g.attempts),
+                        "unexplained": sum(1 for a in g.attempts if a.status != "scored" and a.failure is None),
+                    }
+                )
+        except RolloutError as exc:
+            tally.errors.append(f"batch refused: {exc.status} {exc}"[:200])
+            await asyncio.sleep(1.0)
         except httpx.HTTPError as exc:
             tally.errors.append(f"transport: {type(exc).__name__}: {exc}"[:200])
             await asyncio.sleep(1.0)
 
 
-async def _snapshot(http: httpx.AsyncClient, envs: list[str]) -> dict:
-    service = (await http.get("/health")).json()
-    out = {"service": {e["url"]: e for e in service["envs"]}, "env": {}}
+async def _snapshot(client: AsyncRolloutClient, envs: list[str]) -> dict:
+    detail = await client.health_detail()
+    out: dict = {"service": {e["url"]: e for e in detail["envs"]}, "env": {}}
     async with httpx.AsyncClient(timeout=10) as plain:
         for url in envs:
             try:
@@ -141,18 +153,22 @@ async def _snapshot(http: httpx.AsyncClient, envs: list[str]) -> dict:
     return out
 
 
-async def _sample(http: httpx.AsyncClient, envs: list[str], tally: _Tally, stop: asyncio.Event) -> None:
+async def _sample(client: AsyncRolloutClient, envs: list[str], tally: _Tally, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            snap = await _snapshot(http, envs)
-            tally.samples.append({"t": time.monotonic() - tally.started,
-                                  "held": {u: s["held_by_service"] for u, s in snap["service"].items()},
-                                  "leased": {u: s.get("leased") for u, s in snap["env"].items()}})
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            snap = await _snapshot(client, envs)
+            tally.samples.append(
+                {
+                    "t": time.monotonic() - tally.started,
+                    "held": {u: s["held"] for u, s in snap["service"].items()},
+                    "leased": {u: s.get("leased") for u, s in snap["env"].items()},
+                }
+            )
+        except (httpx.HTTPError, RolloutError, ValueError, KeyError) as exc:
             tally.errors.append(f"health sample failed: {type(exc).__name__}")
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -160,15 +176,17 @@ async def _report(tally: _Tally, pools: dict, progress, stop: asyncio.Event) -> 
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), 5.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         elapsed = time.monotonic() - tally.started
         done = len(tally.groups)
         tokens = sum(g["tokens"] for g in tally.groups)
         held = tally.samples[-1]["held"] if tally.samples else {}
         occupancy = ", ".join(f"{held.get(u, 0)}/{p}" for u, p in pools.items())
-        progress(f"[loadtest] {elapsed:6.1f}s  groups {done}  {done / elapsed:.3f}/s  "
-                 f"{tokens / elapsed:.1f} tok/s  worlds held {occupancy}  errors {len(tally.errors)}")
+        progress(
+            f"[loadtest] {elapsed:6.1f}s  groups {done}  {done / elapsed:.3f}/s  "
+            f"{tokens / elapsed:.1f} tok/s  worlds held {occupancy}  errors {len(tally.errors)}"
+        )
 
 
 def _summarize(spec: LoadSpec, tally: _Tally, wall: float, pools: dict, before: dict, after: dict) -> dict:
@@ -195,16 +213,25 @@ def _summarize(spec: LoadSpec, tally: _Tally, wall: float, pools: dict, before: 
         }
     return {
         "spec": {k: v for k, v in spec.__dict__.items() if k != "api_key"},
-        "wall_s": round(wall, 3), "groups": len(tally.groups), "attempts": attempts,
-        "groups_per_s": round(len(tally.groups) / wall, 4), "attempts_per_s": round(attempts / wall, 4),
+        "wall_s": round(wall, 3),
+        "groups": len(tally.groups),
+        "attempts": attempts,
+        "groups_per_s": round(len(tally.groups) / wall, 4),
+        "attempts_per_s": round(attempts / wall, 4),
         "completion_tokens_per_s": round(sum(g["tokens"] for g in tally.groups) / wall, 2),
-        "group_latency_s": {"p50": round(float(np.percentile(latencies, 50)), 3),
-                            "p90": round(float(np.percentile(latencies, 90)), 3),
-                            "p99": round(float(np.percentile(latencies, 99)), 3),
-                            "max": round(float(latencies.max()), 3)},
-        "attempt_status": statuses, "groups_sent": tally.sent,
+        "group_latency_s": {
+            "p50": round(float(np.percentile(latencies, 50)), 3),
+            "p90": round(float(np.percentile(latencies, 90)), 3),
+            "p99": round(float(np.percentile(latencies, 99)), 3),
+            "max": round(float(latencies.max()), 3),
+        },
+        "attempt_status": statuses,
+        "groups_sent": tally.sent,
         "groups_not_accounted": sum(1 for g in tally.groups if not g["accounted"]),
-        "failures_without_reason": sum(g["unexplained"] for g in tally.groups), "envs": envs, "errors": tally.errors[:50], "error_count": len(tally.errors),
+        "failures_without_reason": sum(g["unexplained"] for g in tally.groups),
+        "envs": envs,
+        "errors": tally.errors[:50],
+        "error_count": len(tally.errors),
         "timeline": {"groups": tally.groups, "samples": tally.samples},
     }
 
@@ -219,9 +246,11 @@ def format_report(r: dict) -> str:
     ]
     for url, e in r["envs"].items():
         env_util = "-" if e["utilisation_env"] is None else f"{e['utilisation_env']:.0%}"
-        lines.append(f"env {url}: pool {e['pool']}, utilisation {e['utilisation_service']:.0%} (service counters) / "
-                     f"{env_util} (env counters), most held {e['max_held_by_service']} (service) / "
-                     f"{e['max_leased_env']} (env), leased at end {e['leased_at_end']}")
+        lines.append(
+            f"env {url}: pool {e['pool']}, utilisation {e['utilisation_service']:.0%} (service counters) / "
+            f"{env_util} (env counters), most held {e['max_held_by_service']} (service) / "
+            f"{e['max_leased_env']} (env), leased at end {e['leased_at_end']}"
+        )
     lines.append(f"errors {r['error_count']}" + (f": {r['errors'][0]}" if r["errors"] else ""))
     return "\n".join(lines)
 

@@ -7,8 +7,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .runlog import read_groups
-from .schemas import Attempt, GroupResult
+from ..protocol import Attempt, GroupResult
+from ..runs import read_groups
 
 
 @dataclass
@@ -78,8 +78,19 @@ def _records(group: GroupResult, attempt: Attempt, opts: ExportOptions, report: 
         if not turn.messages:
             report.dropped["turns whose prompt was not recorded"] += 1
             continue
-        yield {"messages": [*turn.messages, {"role": "assistant", "content": turn.completion}],
-               "meta": {"run_id": group.run_id, "group_id": group.group_id, "task_id": group.task_id,
-                        "attempt": attempt.index, "turn": turn.index, "stage": turn.stage,
-                        "reward": attempt.reward, "model": group.model, "policy_version": group.policy_version,
-                        "catalog_hash": group.env.catalog_hash, "reward_version": group.env.reward_version}}
+        yield {
+            "messages": [*turn.messages, {"role": "assistant", "content": turn.completion}],
+            "meta": {
+                "run_id": group.run_id,
+                "group_id": group.group_id,
+                "task_id": group.task_id,
+                "attempt": attempt.index,
+                "turn": turn.index,
+                "stage": turn.stage,
+                "reward": attempt.reward,
+                "model": group.model,
+                "policy_version": group.policy_version,
+                "catalog_hash": group.env.catalog_hash,
+                "reward_version": group.env.reward_version,
+            },
+        }

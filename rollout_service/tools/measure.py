@@ -6,9 +6,9 @@ import asyncio
 import math
 from collections import defaultdict
 
-from .config import ServiceConfig
-from .schemas import GroupRequest, GroupResult
-from .service import RolloutService
+from ..protocol import GroupRequest, GroupResult
+from ..server.config import ServiceConfig
+from ..server.service import RolloutService
 
 Z95 = 1.959964
 
@@ -21,7 +21,10 @@ def wilson_interval(passes: int, trials: int, z: float = Z95) -> tuple[float, fl
     denom = 1 + z * z / trials
     centre = (p + z * z / (2 * trials)) / denom
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At p = 0 or 1 the bound at the observed rate is exact; rounding would otherwise exclude it.
+    lo = 0.0 if passes == 0 else max(0.0, centre - half)
+    hi = 1.0 if passes == trials else min(1.0, centre + half)
+    return lo, hi
 
 
 def resolution_floor(trials: int, z: float = Z95) -> float:
@@ -33,22 +36,37 @@ def resolution_floor(trials: int, z: float = Z95) -> float:
     return hi - lo
 
 
-async def run_measure(config: ServiceConfig, *, repeats: int, limit: int | None, temperature: float,
-                      max_tokens: int, model: str | None, progress=print) -> dict:
+async def run_measure(
+    config: ServiceConfig,
+    *,
+    repeats: int,
+    limit: int | None,
+    temperature: float,
+    max_tokens: int,
+    model: str | None,
+    progress=print,
+) -> dict:
     service = RolloutService(config)
     await service.start()
     try:
         targets = list(service.targets.values())[: limit or None]
         if not targets:
             raise ValueError("the env serves no task")
-        progress(f"measuring {len(targets)} task(s) x {repeats} repeat(s) on {', '.join(config.envs)}")
+        progress(f"measuring {len(targets)} task(s) x {repeats} repeat(s) on {', '.join(config.env)}")
         done = 0
 
         async def one(target) -> GroupResult:
             nonlocal done
-            request = GroupRequest(task_id=target.task_id, n=repeats, allow_eval_side=True, allow_greedy=True,
-                                   model=model, sampling={"temperature": temperature, "max_tokens": max_tokens})
+            request = GroupRequest(
+                task_id=target.task_id,
+                n=repeats,
+                allow_eval_side=True,
+                allow_greedy=True,
+                model=model,
+                sampling={"temperature": temperature, "max_tokens": max_tokens},
+            )
             resolved, policy = service.resolve(request)
+            assert service.runner is not None
             result = await service.runner.run_group(request, resolved, policy, run_id=service.run_id)
             done += 1
             if done % max(1, len(targets) // 10) == 0 or done == len(targets):
@@ -62,24 +80,36 @@ async def run_measure(config: ServiceConfig, *, repeats: int, limit: int | None,
 
 
 def summarize_measurement(groups: list[GroupResult], service: RolloutService, repeats: int) -> dict:
-    scored = [a for g in groups for a in g.attempts if a.status == "scored"]
-    passes = sum(bool(a.pass_) for a in scored)
-    lo, hi = wilson_interval(passes, len(scored))
+    """Pass rate over the attempts the policy is accountable for: the env's grades and the policy's own
+    failures (looping past max_turns, overflowing the context, the deadline), which count as not
+    passed. Infrastructure failures are excluded and counted apart."""
+    graded = [a for g in groups for a in g.attempts if a.status in ("scored", "policy_failure")]
+    policy_failed = sum(a.status == "policy_failure" for a in graded)
+    passes = sum(bool(a.pass_) for a in graded if a.status == "scored")
+    lo, hi = wilson_interval(passes, len(graded))
     categories: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     category_of = {t.task_id: t.category or "uncategorized" for t in service.task_info.values()}
     for g in groups:
         key = category_of.get(g.task_id, "all")
         for a in g.attempts:
-            if a.status == "scored":
-                categories[key][0] += bool(a.pass_)
+            if a.status in ("scored", "policy_failure"):
+                categories[key][0] += a.status == "scored" and bool(a.pass_)
                 categories[key][1] += 1
     contract = groups[0].env if groups else None
+    rewards = [a.reward for a in graded if a.reward is not None]
     return {
-        "tasks": len(groups), "repeats": repeats,
-        "scheduled": sum(g.counts.scheduled for g in groups), "scored": len(scored), "passes": passes,
-        "pass_rate": passes / len(scored) if scored else None, "wilson95": [lo, hi],
-        "resolution_floor": resolution_floor(len(scored)),
-        "mean_reward": sum(a.reward for a in scored) / len(scored) if scored else None,
+        "tasks": len(groups),
+        "repeats": repeats,
+        "scheduled": sum(g.counts.scheduled for g in groups),
+        "graded": len(graded),
+        "scored": len(graded) - policy_failed,
+        "policy_failures": policy_failed,
+        "unscorable": sum(g.counts.unscorable for g in groups),
+        "passes": passes,
+        "pass_rate": passes / len(graded) if graded else None,
+        "wilson95": [lo, hi],
+        "resolution_floor": resolution_floor(len(graded)),
+        "mean_reward": sum(rewards) / len(rewards) if rewards else None,
         "by_category": {k: {"passes": v[0], "scored": v[1]} for k, v in sorted(categories.items())},
         "model": groups[0].model if groups else None,
         "env": contract.model_dump() if contract else None,
@@ -91,9 +121,11 @@ def format_measurement(m: dict) -> str:
     rate = "-" if m["pass_rate"] is None else f"{m['pass_rate']:.3f}"
     lines = [
         f"pass rate {rate}  (95% Wilson interval {m['wilson95'][0]:.3f} .. {m['wilson95'][1]:.3f})  "
-        f"{m['passes']}/{m['scored']} scored attempts, {m['scheduled']} scheduled",
+        f"{m['passes']}/{m['graded']} attempts: {m['scored']} graded by the env, {m['policy_failures']} failed by "
+        f"the policy itself (counted as not passed); {m['unscorable']} unscorable (infrastructure, excluded); "
+        f"{m['scheduled']} scheduled",
         f"mean reward {'-' if m['mean_reward'] is None else format(m['mean_reward'], '.3f')}",
-        f"resolution floor: with {m['scored']} scored attempts ({m['tasks']} tasks x {m['repeats']} repeats), "
+        f"resolution floor: with {m['graded']} attempts ({m['tasks']} tasks x {m['repeats']} repeats), "
         f"two checkpoints whose pass rates differ by less than {m['resolution_floor']:.3f} are not distinguishable",
         "by category: " + ", ".join(f"{k} {v['passes']}/{v['scored']}" for k, v in m["by_category"].items()),
         f"model {m['model']}; env dataset {env.get('catalog_hash')}, reward {env.get('reward_version')} "

@@ -1,0 +1,87 @@
+"""The settings of `refenv serve`, each defined once (flags and `REFENV_*` variables are generated
+from this model), with GraphJin's flag names where GraphJin has the flag."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rollout_service.flags import Flag, ListenAddress
+
+from .grading import PROFILES
+from .tasks import parse_split
+
+ENV_PREFIX = "REFENV_"
+
+
+def parse_duration(text: str) -> float:
+    """'300', '300s', '5m', '1h', '750ms', '1m30s' -> seconds (Go-style durations)."""
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {text!r} (e.g. 300s, 5m, 750ms)")
+    scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+class Settings(BaseModel):
+    """What `refenv serve` runs with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: ListenAddress = Field("127.0.0.1:8090", description="where to listen")
+    pool: int = Field(2, ge=1, description="worlds, i.e. episodes held at once")
+    step: bool = Field(False, description="step mode: park every model call for the driver")
+    step_timeout: Annotated[float, Flag(metavar="DURATION", default_text="5m")] = Field(
+        300.0, gt=0, description="idle deadline of a parked episode, and the wait for its next observation"
+    )
+    reward_profile: str = Field("rl", description=f"the default reward profile: {' or '.join(PROFILES)}")
+    suite: Literal["public"] = Field("public", description="task suite; refenv has one: public")
+    seed: int = Field(0, description="data and fault-injection seed")
+    scale: int = Field(1, ge=1, description="data size multiplier")
+    split: Annotated[str | None, Flag(metavar="auto:F|FILE")] = Field(
+        None,
+        description='auto:F (by family, deterministic) or a JSON file {"train": [...], "eval": [...]} '
+        "of task ids, slugs or families",
+    )
+    side: Literal["train", "eval"] | None = Field(None, description="which side of --split to serve")
+    responder: bool = Field(False, description="after the answer, ask a responder stage to phrase it (not graded)")
+    support_model: Annotated[str | None, Flag(metavar="URL,NAME")] = Field(
+        None,
+        description="answer the responder stage (and, without --step, every stage) from this OpenAI-compatible server",
+    )
+    latency_ms: float = Field(
+        0.0, ge=0, description="fault injection: time each step (each action the model sends) spends executing"
+    )
+    fail_rate: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="fault injection: fraction of episodes that fail as "
+        "transport_error, environment_failure or HTTP 500",
+    )
+    log_level: Annotated[str, Flag(env=False)] = Field("warning", description="uvicorn log level")
+
+    @field_validator("step_timeout", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> object:
+        return parse_duration(value) if isinstance(value, str) else value
+
+    @field_validator("reward_profile")
+    @classmethod
+    def _check_profile(cls, value: str) -> str:
+        if value not in PROFILES:
+            raise ValueError(f"must be one of {', '.join(PROFILES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_split(self) -> Settings:
+        parse_split(self.split)
+        return self
+
+    @property
+    def step_timeout_s(self) -> float:
+        return self.step_timeout

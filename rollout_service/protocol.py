@@ -1,0 +1,215 @@
+"""The wire protocol: what a trainer sends to the service and gets back.
+
+Shared by the server and the trainer side, so it imports nothing but pydantic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles
+
+AttemptStatus = Literal["scored", "policy_failure", "env_failure", "inference_failure", "cancelled", "internal_error"]
+
+# Every reason an attempt can end without the env's grade. A closed set: the README lists each.
+FailureKind = Literal[
+    # The policy's own doing: it counts as not passed, and earns the request's policy_failure_reward.
+    "max_turns",  # the episode asked for more than max_turns completions
+    "deadline",  # the try did not finish within timeout_s
+    "context_overflow",  # the conversation outgrew the model's context window
+    # The environment's side (infrastructure): excluded from rewards, retried up to `retries`.
+    "env_unreachable",  # no answer from the env (connection refused, reset, transport timeout)
+    "env_gone",  # 410: the episode ended, was abandoned or reclaimed while idle
+    "env_episode_failed",  # 500: the episode's preparation or grading failed
+    "env_no_world",  # 503: no world could be had
+    "env_episode_timeout",  # 504: the episode neither asked nor finished in time
+    "env_rejected",  # 400/405/409: the env refused what the service sent (a bug somewhere)
+    "env_bad_answer",  # the env answered with something the contract does not allow
+    "transport_error",  # the env finished the episode with failure_category transport_error
+    "environment_failure",  # the env finished the episode with failure_category environment_failure
+    "env_abandoned",  # the env reported the episode abandoned
+    # The model server's side (infrastructure): excluded from rewards.
+    "inference_unreachable",
+    "inference_timeout",  # no completion within --inference-timeout
+    "inference_server_error",  # 5xx
+    "inference_rejected",  # 4xx other than a context overflow
+    "bad_response",  # a completion the service cannot use (no choices, wrong shape)
+    # Neither.
+    "cancelled",  # the trainer went away, or the service shut down
+    "internal_error",  # a bug in the service; the detail says what
+]
+FAILURE_KINDS: tuple[str, ...] = get_args(FailureKind)
+POLICY_FAILURE_KINDS = frozenset({"max_turns", "deadline", "context_overflow"})
+Attribution = Literal["policy", "infrastructure"]
+
+
+class SamplingParams(BaseModel):
+    """Sampling as sent to the model server."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, ge=1, le=32768)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    stop: list[str] | None = Field(None, max_length=8)
+
+
+class GroupRequest(BaseModel):
+    """One group: `n` attempts at one task."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task_id: str | None = Field(None, min_length=1, max_length=200, description="the env's task id")
+    slug: str | None = Field(None, min_length=1, max_length=300, description="or the task's slug")
+    n: int = Field(8, ge=1, description="attempts in the group (at most the service's --max-n)")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    model: str | None = Field(None, max_length=200, description="model name; default: the service's policy")
+    reward_profile: Literal["rl", "benchmark"] | None = Field(None, description="default: the env's own")
+    advantage: Literal["mean", "zscore"] = Field(
+        "mean", description="mean: reward - group mean; zscore: also divided by the group's std"
+    )
+    max_turns: int = Field(32, ge=1, le=1000, description="model calls per episode before it is abandoned")
+    timeout_s: float = Field(600.0, gt=0, le=86400, description="deadline of one episode try")
+    retries: int = Field(1, ge=0, le=10, description="re-runs of an attempt that failed on the env's side")
+    policy_failure_reward: float | None = Field(
+        0.0,
+        ge=-1e6,
+        le=1e6,
+        description="the reward an attempt earns when the policy itself failed it (max_turns, deadline, "
+        "context overflow); it enters rewards and advantages, flagged. null: exclude such attempts",
+    )
+    allow_greedy: bool = Field(False, description="accept temperature 0 with n > 1")
+    allow_eval_side: bool = Field(False, description="accept a task served only by an eval-side env")
+    policy_version: str | None = Field(None, max_length=200, description="echoed back")
+    group_id: str | None = Field(None, max_length=200, description="echoed back; default: generated")
+
+    @model_validator(mode="after")
+    def _check(self) -> GroupRequest:
+        if (self.task_id is None) == (self.slug is None):
+            raise ValueError("give exactly one of task_id or slug")
+        if self.sampling.temperature == 0 and self.n > 1 and not self.allow_greedy:
+            raise ValueError(
+                "temperature 0 with n > 1 samples the same completion n times: a greedy group has no "
+                "signal. Set sampling.temperature > 0 (e.g. 0.8), or allow_greedy: true if you mean it"
+            )
+        return self
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    groups: list[GroupRequest] = Field(min_length=1, description="at most the service's --max-batch")
+
+
+class Turn(BaseModel):
+    """One model call of an episode."""
+
+    index: int
+    stage: str
+    trainable: bool
+    model: str
+    endpoint: str
+    messages: list[dict[str, Any]]
+    response_format: Any = None
+    completion: str
+    # Exactly what the model server produced; None where it did not return them.
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    token_source: Literal["server", "absent"]
+    finish_reason: str | None = None
+    prompt_tokens: int
+    completion_tokens: int
+    seed: int | None = None
+
+
+class Failure(BaseModel):
+    kind: FailureKind
+    attribution: Attribution
+    detail: str = ""
+
+    @classmethod
+    def of(cls, kind: FailureKind, detail: str = "") -> Failure:
+        """A failure with the attribution its kind implies."""
+        attribution: Attribution = "policy" if kind in POLICY_FAILURE_KINDS else "infrastructure"
+        return cls(kind=kind, attribution=attribution, detail=detail[:500])
+
+
+class AttemptTimings(BaseModel):
+    queued_s: float = 0.0
+    inference_s: float = 0.0
+    env_s: float = 0.0
+    total_s: float = 0.0
+
+
+class Attempt(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    index: int
+    status: AttemptStatus
+    reward: float | None = Field(None, description="the env's grade, or policy_failure_reward for a policy failure")
+    advantage: float | None = None
+    pass_: bool | None = Field(None, alias="pass", serialization_alias="pass")
+    answer: Any = None
+    score: dict[str, Any] | None = None
+    episode_id: str | None = None
+    env: str | None = None
+    failure: Failure | None = None
+    tries: int = 1
+    earlier_failures: list[Failure] = Field(default_factory=list)
+    timings: AttemptTimings = Field(default_factory=AttemptTimings)
+    turns: list[Turn] = Field(default_factory=list)
+
+
+class EnvContract(BaseModel):
+    """What makes two rewards comparable, as the env reported it."""
+
+    urls: list[str]
+    catalog_hash: str
+    data_anchor: str | None = None
+    reward_version: str
+    reward_profile: str
+    side: str | None = None
+
+
+class Counts(BaseModel):
+    """scheduled = scored + failed; failed = policy_failed + unscorable."""
+
+    scheduled: int
+    scored: int = Field(description="graded by the environment")
+    failed: int = Field(description="not graded: policy failures and unscorable attempts")
+    policy_failed: int = Field(description="failed by the policy itself (max_turns, deadline, context overflow)")
+    unscorable: int = Field(description="failed on the infrastructure's side or cancelled: no reward, no advantage")
+    rewarded: int = Field(description="attempts that carry a reward: the denominator of mean, std and advantages")
+    by_status: dict[str, int]
+
+
+class GroupResult(BaseModel):
+    group_id: str
+    task_id: str
+    slug: str
+    policy_version: str | None = None
+    model: str
+    sampling: dict[str, Any] = Field(description="as sent; attempt i's seed is in its turns")
+    n: int
+    advantage_kind: str
+    policy_failure_reward: float | None = None
+    env: EnvContract
+    counts: Counts
+    rewards: list[float | None]
+    advantages: list[float | None]
+    mean: float | None
+    std: float | None
+    pass_rate: float | None = Field(description="passes over the scored and policy-failed attempts")
+    all_equal: bool = Field(description="every reward is the same (or fewer than two): no gradient")
+    diagnosis: str | None = None
+    attempts: list[Attempt]
+    wall_s: float
+    completion_tokens: int
+    run_id: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: str
+    message: str

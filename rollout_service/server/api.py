@@ -1,0 +1,156 @@
+"""The HTTP routes: POST /groups, POST /groups/batch (NDJSON), /health, /tasks, /metrics.
+
+Routes only: the logic is in `RolloutService`, reached through `request.app.state.service`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..protocol import BatchRequest, ErrorBody, GroupRequest, GroupResult
+from .service import RequestRefused, RolloutService
+
+router = APIRouter()
+_R = TypeVar("_R")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503)
+}
+_SHUTTING_DOWN = RequestRefused(
+    503,
+    "shutting_down",
+    "the service is shutting down; this group's episodes were "
+    "abandoned and its worlds given back. Send it again to a running service",
+)
+
+
+def _service(request: Request) -> RolloutService:
+    return request.app.state.service
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away (after the body is read, receive() waits for that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def with_cancellation(handler: Callable[..., Awaitable[_R]]) -> Callable[..., Awaitable[_R]]:
+    """Cancel the handler (and so abandon its episodes) when the client disconnects first.
+    The handler must take the `Request` as its `request` keyword argument."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> _R:
+        work = asyncio.ensure_future(handler(*args, **kwargs))
+        watcher = asyncio.ensure_future(_disconnected(kwargs["request"]))
+        try:
+            await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                await asyncio.wait([work])
+                raise asyncio.CancelledError("client disconnected")
+            return work.result()
+        finally:
+            watcher.cancel()
+            if not work.done():  # we were cancelled ourselves (shutdown)
+                work.cancel()
+                await asyncio.wait([work])
+
+    return wrapper
+
+
+@router.post("/groups", response_model=GroupResult, responses=_ERRORS, summary="Run one group")
+@with_cancellation
+async def post_group(body: GroupRequest, request: Request) -> Response:
+    service = _service(request)
+    (task,) = service.start_groups([body])
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            raise _SHUTTING_DOWN from None  # the service cancelled the group, not the client
+        raise
+    return Response(result, media_type="application/json")
+
+
+@router.post(
+    "/groups/batch",
+    responses=_ERRORS,
+    summary="Run many groups; stream each as it finishes",
+    response_description="NDJSON: one line per group, {index, group} or {index, error}",
+)
+async def post_batch(body: BatchRequest, request: Request) -> StreamingResponse:
+    service = _service(request)
+    if len(body.groups) > service.config.max_batch:
+        raise RequestRefused(
+            422,
+            "batch_too_large",
+            f"{len(body.groups)} groups is over this service's maximum of "
+            f"{service.config.max_batch} per batch (--max-batch)",
+        )
+    tasks = service.start_groups(body.groups)
+    sizes = [g.n for g in body.groups]
+    return StreamingResponse(_stream(request, service, tasks, sizes), media_type="application/x-ndjson")
+
+
+async def _stream(
+    request: Request, service: RolloutService, tasks: list[asyncio.Task[str]], sizes: list[int]
+) -> AsyncIterator[bytes]:
+    """Each group's line as it finishes; a finished group is dropped here once sent."""
+    pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
+    del tasks
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        while pending:
+            done, _ = await asyncio.wait([*pending, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                return  # the trainer went away: the finally below abandons everything
+            for task in done:
+                index = pending.pop(task)
+                if task.cancelled():
+                    line = _error_line(index, "cancelled", "the group was cancelled (the service is shutting down)")
+                elif (exc := task.exception()) is not None:
+                    line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
+                else:
+                    line = f'{{"index": {index}, "group": {task.result()}}}'
+                yield (line + "\n").encode()
+    finally:
+        watcher.cancel()
+        # Handed to the service rather than awaited here: a disconnect cancels every await of this
+        # generator's cleanup, which would cut the slicing short.
+        service.cancel_in_background({task: sizes[index] for task, index in pending.items()})
+
+
+def _error_line(index: int, error: str, message: str) -> str:
+    return json.dumps({"index": index, "error": {"error": error, "message": message[:500]}})
+
+
+@router.get("/health", summary="Status only (ok, degraded, starting): cheap and public")
+async def health(request: Request) -> dict:
+    return {"status": _service(request).status()}
+
+
+@router.get(
+    "/health/detail",
+    summary="Each env and model server as last probed, the run log, the queues (behind the API key when one is set)",
+)
+async def health_detail(request: Request) -> dict:
+    return _service(request).health_detail()
+
+
+@router.get("/tasks", summary="Tasks served by the envs")
+async def tasks(request: Request) -> dict:
+    listed = _service(request).task_list()
+    return {"tasks": listed, "count": len(listed)}
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_service(request).metrics.render(), media_type="text/plain; version=0.0.4")

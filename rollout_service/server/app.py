@@ -1,0 +1,87 @@
+"""The FastAPI application: routes, error bodies, middlewares, and the service's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .api import router
+from .config import ServiceConfig
+from .middleware import BearerAuth, BodyLimit, error_response
+from .service import RequestRefused, RolloutService
+
+log = logging.getLogger("rollout_service.app")
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return 400, "invalid_json", "the body is not valid JSON"
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return 422, "invalid_request", "; ".join(parts)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(*_describe_validation(exc))
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, code, str(exc.detail))
+
+
+async def _refused(request: Request, exc: RequestRefused) -> JSONResponse:
+    return error_response(exc.status, exc.error, exc.message, exc.headers)
+
+
+async def _bug(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, "internal_error", f"a bug in the service: {type(exc).__name__}: {exc}"[:500])
+
+
+def create_app(config: ServiceConfig, service: RolloutService | None = None) -> FastAPI:
+    service = service or RolloutService(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        # For the server's signal handler: stop every group at once rather than wait for groups that
+        # may run for minutes.
+        app.state.cancel_running = lambda: loop.call_soon_threadsafe(service.cancel_running)
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.close()  # cancels running groups: their episodes are abandoned on the way out
+
+    app = FastAPI(
+        title="rollout-service",
+        version="0.2.0",
+        lifespan=lifespan,
+        description="Reward groups for RL post-training, generated on vLLM against step-driven environments.",
+    )
+    app.state.service = service
+    app.include_router(router)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestRefused, _refused)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _bug)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.api_key_env:
+        key = os.environ.get(config.api_key_env)
+        if not key:
+            raise ValueError(f"--api-key-env {config.api_key_env}: that environment variable is empty or unset")
+        app.add_middleware(BearerAuth, key=key)  # outermost: nothing is parsed before the key is checked
+    return app

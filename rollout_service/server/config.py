@@ -1,0 +1,136 @@
+"""The settings of `rollout-service serve`, each defined once here.
+
+Flags, `ROLLOUT_*` environment variables, `--help` and the README's configuration table are all
+generated from `ServiceConfig` (see `rollout_service.flags`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..flags import Flag, ListenAddress
+from ..runs import valid_run_id
+
+ENV_PREFIX = "ROLLOUT_"
+
+
+class EndpointSpec(BaseModel):
+    """A named model endpoint: `NAME=URL[,api-key-env=VAR][,model=SERVED][,token-ids=false]`."""
+
+    name: str
+    url: str
+    api_key_env: str | None = None
+    model: str | None = None  # the name the server knows it by; default NAME
+    token_ids: bool = True  # ask for token ids and logprobs (vLLM); false for other servers
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+    @classmethod
+    def parse(cls, text: str) -> EndpointSpec:
+        name, sep, rest = text.partition("=")
+        if not sep or not name or not rest:
+            raise ValueError(f"{text!r}: expected NAME=URL[,api-key-env=VAR][,model=SERVED][,token-ids=false]")
+        url, *options = rest.split(",")
+        fields: dict = {"name": name.strip(), "url": url.strip()}
+        for option in options:
+            key, sep, value = option.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in ("api_key_env", "model", "token_ids"):
+                raise ValueError(
+                    f"{text!r}: unknown option {option!r} (api-key-env=VAR, model=SERVED, token-ids=true|false)"
+                )
+            fields[key] = value.strip().lower() in ("1", "true", "yes") if key == "token_ids" else value.strip()
+        return cls(**fields)
+
+
+class ServiceConfig(BaseModel):
+    """What `rollout-service serve` runs with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: Annotated[list[str], Flag(metavar="URL")] = Field(
+        min_length=1, description="environment servers speaking the step contract"
+    )
+    vllm: Annotated[list[str], Flag(metavar="URL")] = Field(
+        min_length=1, description="policy model servers, one per replica"
+    )
+    model: str = Field(description="policy model name, as the model servers list it in /v1/models")
+    support_vllm: Annotated[list[str], Flag(metavar="URL", default_text="the policy's servers")] = Field(
+        default_factory=list, description="model servers for non-policy stages"
+    )
+    support_model: str | None = Field(None, description="model for non-policy stages; none: the policy answers them")
+    listen: ListenAddress = Field("127.0.0.1:8080", description="where to listen; loopback unless you say otherwise")
+    api_key_env: Annotated[str | None, Flag(metavar="VAR")] = Field(
+        None, description="require `Authorization: Bearer $VAR` on every path but /health"
+    )
+    max_requests_per_second: Annotated[float | None, Flag(metavar="R")] = Field(
+        None, gt=0, description="cap on chat requests per second to each model route"
+    )
+    max_n: int = Field(64, ge=1, description="largest n a group may ask for")
+    max_batch: int = Field(1024, ge=1, description="most groups in one POST /groups/batch")
+    max_queued_attempts: int = Field(
+        65536,
+        ge=1,
+        description="most attempts accepted and not yet finished, across all requests; "
+        "past it a request gets 429 with Retry-After",
+    )
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="request bodies over this get 413")
+    inference_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        300.0, gt=0, description="deadline of one completion"
+    )
+    policy_stage: Annotated[list[str], Flag(metavar="STAGE")] = Field(
+        default_factory=lambda: ["executor"], min_length=1, description="stages the policy is trained on"
+    )
+    startup_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        30.0, gt=0, description="how long to wait for the envs' /health and /tasks at start"
+    )
+    model_endpoint: Annotated[list[EndpointSpec], Flag(metavar="NAME=URL[,OPTS]", separator=";")] = Field(
+        default_factory=list,
+        description='a named model a group may ask for with "model": NAME (a teacher on '
+        "any OpenAI-compatible server); options api-key-env=VAR, model=SERVED, token-ids=false",
+    )
+    runs_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None, description="append every finished group to DIR/<run-id>.jsonl"
+    )
+    run_id: str | None = Field(None, description="run id (default generated); reuse one to append to its log")
+    max_run_log_queue: int = Field(
+        1024,
+        ge=1,
+        description="finished groups waiting to be written to the run log; past it, groups are "
+        "dropped from the log (counted, /health degraded) rather than held in memory",
+    )
+    log_level: Annotated[str, Flag(env=False)] = Field("warning", description="uvicorn log level")
+
+    @field_validator("model_endpoint", mode="before")
+    @classmethod
+    def _parse_endpoints(cls, value: object) -> object:
+        if isinstance(value, list):
+            return [EndpointSpec.parse(v) if isinstance(v, str) else v for v in value]
+        return value
+
+    @field_validator("model_endpoint")
+    @classmethod
+    def _unique_endpoints(cls, value: list[EndpointSpec]) -> list[EndpointSpec]:
+        names = [e.name for e in value]
+        if len(set(names)) != len(names):
+            raise ValueError("a name is given twice")
+        return value
+
+    @field_validator("run_id")
+    @classmethod
+    def _check_run_id(cls, value: str | None) -> str | None:
+        if value is not None and not valid_run_id(value):
+            raise ValueError(f"{value!r}: use letters, digits, '.', '_' and '-' only (it becomes a file name)")
+        return value
+
+    @field_validator("env", "vllm", "support_vllm")
+    @classmethod
+    def _no_duplicates(cls, value: list[str]) -> list[str]:
+        stripped = [u.rstrip("/") for u in value]
+        if len(set(stripped)) != len(stripped):
+            raise ValueError("the same URL is given twice")
+        return stripped

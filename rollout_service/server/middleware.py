@@ -1,0 +1,82 @@
+"""Small ASGI middlewares: the body cap and bearer auth, each checked before anything is parsed."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Container
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+def error_response(status: int, error: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error, "message": message}, status_code=status, headers=headers)
+
+
+class BodyLimit:
+    """Refuse bodies over `max_bytes` with 413, declared (Content-Length) or streamed (chunked).
+
+    The body is read here, counted, and handed on whole: the app never sees a body over the cap,
+    and a chunked one gets the same 413 as a declared one rather than the app's parse error.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away before the body ended
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: wait for the disconnect, as the app expects
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413, "body_too_large", f"request bodies are capped at {self.max_bytes} bytes (--max-body-bytes)"
+        )
+        await response(scope, receive, send)
+
+
+class BearerAuth:
+    """Every path but the public ones needs `Authorization: Bearer <key>` (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, key: str, public: Container[str] = ("/health",)) -> None:
+        self.app, self.key, self.public = app, key.encode(), public
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.public:
+            header = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                response = error_response(
+                    401, "unauthorized", "send Authorization: Bearer <key>", headers={"WWW-Authenticate": "Bearer"}
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

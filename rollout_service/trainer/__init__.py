@@ -1,0 +1,34 @@
+"""What a trainer imports: the client, advantages, and the run-log export. Nothing of the server.
+
+Installs with httpx, pydantic and numpy only (`pip install rollout-service`); the server needs
+the `server` extra.
+"""
+
+from ..advantages import group_advantages
+from ..protocol import Attempt, GroupRequest, GroupResult, Turn
+from .client import (
+    AsyncRolloutClient,
+    BatchItem,
+    GroupFailed,
+    RequestRejected,
+    RolloutClient,
+    RolloutError,
+    ServiceBusy,
+    ServiceUnavailable,
+)
+
+__all__ = [
+    "AsyncRolloutClient",
+    "Attempt",
+    "BatchItem",
+    "GroupFailed",
+    "GroupRequest",
+    "GroupResult",
+    "RequestRejected",
+    "RolloutClient",
+    "RolloutError",
+    "ServiceBusy",
+    "ServiceUnavailable",
+    "Turn",
+    "group_advantages",
+]

@@ -1,0 +1,207 @@
+"""Trainer-side client: ask the service for groups, get typed results back.
+
+    from rollout_service.trainer import RolloutClient
+    client = RolloutClient("http://127.0.0.1:8080")
+    group = client.group(task_id="t001", n=8, sampling={"temperature": 0.8, "max_tokens": 128})
+    for attempt in group.attempts: ...
+
+`RolloutClient` and `AsyncRolloutClient` share `_BaseClient`: requests are built and answers
+parsed in one place; only the transport differs. Errors are a hierarchy under `RolloutError`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ..protocol import GroupRequest, GroupResult
+
+__all__ = [
+    "RolloutClient",
+    "AsyncRolloutClient",
+    "BatchItem",
+    "RolloutError",
+    "RequestRejected",
+    "ServiceBusy",
+    "ServiceUnavailable",
+    "GroupFailed",
+]
+
+
+class RolloutError(Exception):
+    """The service refused a request, or a group failed; `status` and `error` as it said them."""
+
+    def __init__(self, status: int | None, error: str, message: str) -> None:
+        super().__init__(f"{error}: {message}")
+        self.status, self.error, self.message = status, error, message
+
+
+class RequestRejected(RolloutError):
+    """4xx: the request cannot be served as sent (unknown task, bad field, n too large...); fix it."""
+
+
+class ServiceBusy(RolloutError):
+    """429: too many attempts are queued; send it again after `retry_after_s`."""
+
+    def __init__(self, status: int | None, error: str, message: str, retry_after_s: float | None) -> None:
+        super().__init__(status, error, message)
+        self.retry_after_s = retry_after_s
+
+
+class ServiceUnavailable(RolloutError):
+    """5xx: the service is shutting down or failed; send the request to a running service."""
+
+
+class GroupFailed(RolloutError):
+    """One group of a batch could not be run (its line in the stream carries an error)."""
+
+
+@dataclass
+class BatchItem:
+    """One line of a batch stream: the group at `index` of the request, or why it failed."""
+
+    index: int
+    group: GroupResult | None
+    error: GroupFailed | None
+
+
+class _BaseClient:
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+        self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = timeout_s
+
+    @staticmethod
+    def _group_body(request: GroupRequest | dict | None, fields: dict[str, Any]) -> dict:
+        if request is None:
+            request = GroupRequest.model_validate(fields)
+        elif isinstance(request, dict):
+            request = GroupRequest.model_validate({**request, **fields})
+        return request.model_dump(mode="json", exclude_none=True)
+
+    @classmethod
+    def _batch_body(cls, requests: Iterable[GroupRequest | dict]) -> dict:
+        return {"groups": [cls._group_body(r, {}) for r in requests]}
+
+    @staticmethod
+    def _raise_for(response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        try:
+            data = response.json()
+            error, message = str(data.get("error", "http_error")), str(data.get("message", response.text))
+        except (ValueError, AttributeError):
+            error, message = "http_error", response.text[:500]
+        if response.status_code == 429:
+            retry = response.headers.get("retry-after")
+            raise ServiceBusy(429, error, message, float(retry) if retry and retry.isdigit() else None)
+        cls = ServiceUnavailable if response.status_code >= 500 else RequestRejected
+        raise cls(response.status_code, error, message)
+
+    @staticmethod
+    def _parse_line(line: str) -> BatchItem:
+        item = json.loads(line)
+        if "group" in item:
+            return BatchItem(item["index"], GroupResult.model_validate(item["group"]), None)
+        err = item.get("error") or {}
+        return BatchItem(
+            item["index"], None, GroupFailed(None, err.get("error", "group_failed"), err.get("message", ""))
+        )
+
+
+class RolloutClient(_BaseClient):
+    """Synchronous client. `api_key` is sent as a bearer token when the service asks for one."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+        super().__init__(url, api_key=api_key, timeout_s=timeout_s)
+        self._http = httpx.Client(base_url=self.url, headers=self._headers, timeout=timeout_s)
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def group(self, request: GroupRequest | dict | None = None, **fields: Any) -> GroupResult:
+        """Run one group and wait for it."""
+        response = self._http.post("/groups", json=self._group_body(request, fields))
+        self._raise_for(response)
+        return GroupResult.model_validate_json(response.content)
+
+    def groups(self, requests: Iterable[GroupRequest | dict]) -> Iterator[BatchItem]:
+        """Run many groups; yield each as soon as it finishes (not in request order)."""
+        with self._http.stream("POST", "/groups/batch", json=self._batch_body(requests)) as response:
+            if response.status_code >= 400:
+                response.read()
+                self._raise_for(response)
+            for line in response.iter_lines():
+                if line.strip():
+                    yield self._parse_line(line)
+
+    def tasks(self) -> list[dict]:
+        return self._get("/tasks")["tasks"]
+
+    def health(self) -> dict:
+        """Status only: ok, degraded or starting."""
+        return self._get("/health")
+
+    def health_detail(self) -> dict:
+        """Each env and model server as last probed, the run log, the queues."""
+        return self._get("/health/detail")
+
+    def _get(self, path: str) -> dict:
+        response = self._http.get(path)
+        self._raise_for(response)
+        return response.json()
+
+
+class AsyncRolloutClient(_BaseClient):
+    """Asynchronous client, same calls as RolloutClient."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+        super().__init__(url, api_key=api_key, timeout_s=timeout_s)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=timeout_s)
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def group(self, request: GroupRequest | dict | None = None, **fields: Any) -> GroupResult:
+        response = await self._http.post("/groups", json=self._group_body(request, fields))
+        self._raise_for(response)
+        return GroupResult.model_validate_json(response.content)
+
+    async def groups(self, requests: Iterable[GroupRequest | dict]) -> AsyncIterator[BatchItem]:
+        async with self._http.stream("POST", "/groups/batch", json=self._batch_body(requests)) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                self._raise_for(response)
+            async for line in response.aiter_lines():
+                if line.strip():
+                    yield self._parse_line(line)
+
+    async def tasks(self) -> list[dict]:
+        return (await self._get("/tasks"))["tasks"]
+
+    async def health(self) -> dict:
+        return await self._get("/health")
+
+    async def health_detail(self) -> dict:
+        return await self._get("/health/detail")
+
+    async def _get(self, path: str) -> dict:
+        response = await self._http.get(path)
+        self._raise_for(response)
+        return response.json()

@@ -1,0 +1,188 @@
+"""refenv under races: requests that cross an episode's end, and statements that try to exhaust it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from helpers import wait_until
+
+SQL = lambda q: json.dumps({"action": "sql", "input": q})
+ANSWER = lambda a: json.dumps({"action": "answer", "input": a})
+ISSUE_DRAFTS = "UPDATE invoices SET status = 'issued' WHERE status = 'draft'"
+
+
+def task_id_of(url: str, family: str) -> str:
+    return next(t["task_id"] for t in httpx.get(f"{url}/tasks").json()["tasks"] if t["family"] == family)
+
+
+def accounted(health: dict) -> bool:
+    """Every started episode ended exactly one way, or is still live."""
+    e = health["episodes"]
+    ended = e["finished"] + e["abandoned"] + e["failed"] + e["reclaimed"] + e["timed_out"]
+    return e["started"] == ended + health["live_episodes"]
+
+
+async def _final_step_raced_by_delete(client: httpx.AsyncClient, task_id: str, delay_s: float) -> tuple[int, int]:
+    """A write task's last /step, and a DELETE up to `delay_s` later: while it is being graded, mostly."""
+    eid = (await client.post("/step/reset", json={"task_id": task_id})).json()["episode_id"]
+    await client.post("/step", json={"episode_id": eid, "completion": SQL(ISSUE_DRAFTS)})
+    final = asyncio.create_task(client.post("/step", json={"episode_id": eid, "completion": ANSWER("done")}))
+    await asyncio.wait([final], timeout=delay_s)  # a late DELETE costs nothing once the answer is in
+    gone = await client.delete(f"/step/{eid}")
+    return (await final).status_code, gone.status_code
+
+
+async def _races(url: str, task_id: str, rounds: int, lanes: int) -> list:
+    delays = random.Random(12)
+
+    async def lane(client: httpx.AsyncClient) -> list:
+        return [await _final_step_raced_by_delete(client, task_id, delays.uniform(0, 0.5)) for _ in range(rounds)]
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        lanes_out = await asyncio.gather(*(lane(client) for _ in range(lanes)), return_exceptions=True)
+    return lanes_out
+
+
+def test_delete_while_grading_never_releases_the_world_under_the_grader(start_refenv):
+    # Scale 300: grading a write task reads ~90k rows (~0.2 s), a wide window for the DELETE.
+    env = start_refenv("--pool", "2", "--scale", "300")
+    task_id = task_id_of(env.url, "issue-drafts")
+    rounds, lanes = 100, 2
+    lanes_out = asyncio.run(_races(env.url, task_id, rounds, lanes))
+    assert env.proc.proc.poll() is None, f"refenv died (exit {env.proc.proc.returncode}): {lanes_out!r:.300}"
+    outcomes = [o for out in lanes_out for o in out]
+    assert len(outcomes) == rounds * lanes, lanes_out
+    # Exactly one side wins each race: the graded answer, or the abandonment (and the other gets 410).
+    assert set(outcomes) <= {(200, 410), (410, 200)}, set(outcomes)
+    health = env.health()
+    assert health["leased"] == 0 and health["live_episodes"] == 0
+    e = health["episodes"]
+    assert e["started"] == rounds * lanes and accounted(health), e
+    assert e["finished"] == outcomes.count((200, 410)) and e["abandoned"] == outcomes.count((410, 200)), e
+    assert e["failed"] == e["reclaimed"] == e["timed_out"] == 0, e
+    assert e["abandoned"] > 0 and e["finished"] > 0, e  # both sides of the race were reached
+    # The worlds a DELETE took back mid-grading are whole: a right answer still passes on both.
+    for _ in range(2):
+        final = asyncio.run(_play(env.url, task_id, [SQL(ISSUE_DRAFTS), ANSWER("done")]))
+        assert final.get("pass") is True, final
+
+
+async def _play(url: str, task_id: str, completions: list[str]) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        answer = (await client.post("/step/reset", json={"task_id": task_id})).json()
+        for completion in completions:
+            answer = (
+                await client.post("/step", json={"episode_id": answer["episode_id"], "completion": completion})
+            ).json()
+        return answer
+
+
+def test_step_in_flight_when_its_episode_is_deleted_answers_410_at_once(start_refenv):
+    env = start_refenv("--pool", "1", "--latency-ms", "3000", "--step-timeout", "10s")
+    eid = httpx.post(f"{env.url}/step/reset", json={}).json()["episode_id"]
+    answered: dict = {}
+
+    def step() -> None:
+        answered["r"] = httpx.post(
+            f"{env.url}/step", json={"episode_id": eid, "completion": SQL("SELECT 1")}, timeout=30
+        )
+        answered["at"] = time.monotonic()
+
+    stepper = threading.Thread(target=step)
+    stepper.start()
+    assert wait_until(lambda: env.health()["steps"] == 1)  # delivered: its action now "executes" for 3 s
+    deleted_at = time.monotonic()
+    assert httpx.delete(f"{env.url}/step/{eid}").status_code == 200
+    stepper.join(30)
+    r = answered["r"]
+    assert r.status_code == 410 and r.json()["error"] == "episode_gone", r.text
+    assert answered["at"] - deleted_at < 10  # not held until the step timeout
+    health = env.health()
+    e = health["episodes"]
+    assert e["abandoned"] == 1 and e["timed_out"] == 0 and accounted(health), e
+    assert health["leased"] == 0
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """The process's resident memory now (VmRSS) and at its peak so far (VmHWM), in MiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
+
+
+FOREVER = "WITH RECURSIVE c(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM c)"  # a count that never ends by itself
+HOSTILE_READS = [
+    "SELECT length(randomblob(150000000))",  # one 150 MB value, made in a single VM step
+    "WITH RECURSIVE r(s) AS (SELECT 'x' UNION ALL SELECT s || s FROM r) SELECT max(length(s)) FROM r",
+    "SELECT " + ", ".join(["zeroblob(250000)"] * 100) + " FROM order_items",  # 25 MB rows
+]
+HOSTILE_COSTS = [
+    # Few VM steps, each one slow (n keeps SQLite from computing instr() once): only a clock stops it.
+    f"{FOREVER} SELECT count(*) FROM c "
+    "WHERE instr(printf('%.*c', 200000 + n % 2, 'a'), printf('%.*c', 2000, 'a') || 'b') = 0",
+    # 200 MB of rows: a world lives in memory, so its growth is the process's.
+    f"INSERT INTO customers {FOREVER} SELECT 100000 + n, zeroblob(200000), '', '', '', '' FROM c LIMIT 1000",
+]
+# Under the limits, but 60 values of 200 kB a row: each value is cut as its row arrives.
+WIDE_BUT_ALLOWED = "SELECT " + ", ".join(["zeroblob(200000)"] * 60) + " FROM order_items"
+
+
+def _sql_turn(client: httpx.Client, eid: str, sql: str) -> dict:
+    answer = client.post("/step", json={"episode_id": eid, "completion": SQL(sql)}).json()
+    assert answer["done"] is False, answer  # the episode goes on, whatever the statement did
+    return answer["observation"]
+
+
+def _result(observation: dict) -> str:
+    """The last statement's result (a finalize stage follows it with "out of turns")."""
+    return next(m["content"] for m in reversed(observation["messages"]) if m["content"].startswith("Result:"))
+
+
+def _count_and_answer(client: httpx.Client, eid: str, table: str) -> tuple[str, dict]:
+    """The episode's last turns: a plain count (it must still work), then that count as the answer."""
+    observation = _sql_turn(client, eid, f"SELECT COUNT(*) FROM {table}")
+    count = _result(observation).splitlines()[-1].strip()
+    last_word = json.dumps({"answer": count}) if observation["stage"] == "finalize" else ANSWER(count)
+    final = client.post("/step", json={"episode_id": eid, "completion": last_word}).json()
+    assert final["done"] is True, final
+    return count, final
+
+
+def test_hostile_statements_get_an_error_and_cost_neither_memory_nor_the_world(start_refenv):
+    env = start_refenv("--pool", "1")
+    pid = env.proc.proc.pid
+    task = next(
+        t
+        for t in httpx.get(f"{env.url}/tasks").json()["tasks"]
+        if t["family"] == "count-table" and "customers" in t["prompt"]
+    )
+    assert task["prompt"] == "How many rows does the customers table have?"  # 4 turns, then finalize
+    with httpx.Client(base_url=env.url, timeout=30) as client:
+
+        def episode(statements: list[str]) -> tuple[list[str], str, dict]:
+            eid = client.post("/step/reset", json={"task_id": task["task_id"]}).json()["episode_id"]
+            seen = [_result(_sql_turn(client, eid, sql)) for sql in statements]
+            return (seen, *_count_and_answer(client, eid, "customers"))
+
+        _, pristine_count, _ = episode([])
+        before = memory_mib(pid)
+        seen, count, final = episode(HOSTILE_READS)
+        for sql, text in zip(HOSTILE_READS, seen, strict=True):
+            assert text.startswith("Result:\nError: "), (sql[:60], text[:300])
+        assert count == pristine_count and final.get("pass") is True, final
+        seen, count, final = episode([WIDE_BUT_ALLOWED, *HOSTILE_COSTS])
+        assert not seen[0].startswith("Result:\nError") and "..." in seen[0] and len(seen[0]) < 2100, seen[0][:300]
+        for sql, text in zip(HOSTILE_COSTS, seen[1:], strict=True):
+            assert text.startswith("Result:\nError: "), (sql[:60], text[:300])
+        assert count == pristine_count, (count, pristine_count)  # the failed INSERT left nothing
+        # The next lease of the same (only) world sees the pristine data.
+        _, count, final = episode([])
+        assert count == pristine_count and final.get("pass") is True, final
+    after = memory_mib(pid)
+    assert env.proc.proc.poll() is None
+    assert after["VmRSS"] - before["VmRSS"] < 100 and after["VmHWM"] - before["VmHWM"] < 100, (before, after)
