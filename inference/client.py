@@ -70,6 +70,23 @@ class BadInferenceResponse(InferenceError):
     kind = "bad_response"
 
 
+def clean_text(value: Any) -> Any:
+    """`value` with every string made encodable: a lone UTF-16 surrogate (legal in JSON escapes,
+    illegal in UTF-8) becomes U+FFFD, in nested lists and dicts too. Text that came in this way
+    would otherwise fail the next request, or the serialisation of a whole group, later."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [clean_text(v) for v in value]
+    if isinstance(value, dict):
+        return {clean_text(k): clean_text(v) for k, v in value.items()}
+    return value
+
+
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|context length|context window|too many tokens", re.I)
 
 
@@ -298,6 +315,7 @@ def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
         text = raw["message"].get("content") or ""
         if not isinstance(text, str):
             raise ValueError("message.content is not text")
+        text = clean_text(text)
         # Without ids (a non-vLLM server), the server's own count is what the env must be told.
         count = len(ids) if ids is not None else int(usage.get("completion_tokens") or 0) // len(raw_choices)
         choices.append(

@@ -102,7 +102,13 @@ class EpisodeTable:
             opts.fault_turn = self._faults.randint(1, task.turn_budget)
         episode.runner = asyncio.create_task(self._run(episode, opts), name=episode.episode_id)
         self._touch(episode)
-        return await self._next_answer(episode)
+        try:
+            return await self._next_answer(episode)
+        except asyncio.CancelledError:
+            # The driver gave up on this reset before it had the episode's id: no one else can end it.
+            if await asyncio.shield(self._end(episode)):
+                self.counters.abandoned += 1
+            raise
 
     async def step(self, episode_id: str, reply: Reply) -> dict:
         episode = self._live.get(episode_id)

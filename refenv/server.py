@@ -180,12 +180,21 @@ def create_app(settings: Settings) -> Starlette:
         while True:
             done, _ = await asyncio.wait([answer], timeout=0.5)
             if done:
-                return JSONResponse(answer.result())
+                result = answer.result()
+                if not result.get("done") and await request.is_disconnected():
+                    # The world came as its driver left: nobody would ever learn the episode's id.
+                    with contextlib.suppress(ContractError):
+                        await env.episodes.abandon(result["episode_id"])
+                    raise ContractError(503, "no_world_available", "the reset request was cancelled")
+                return JSONResponse(result)
             if env.pool.leased >= env.pool.size and await request.is_disconnected():
                 answer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, ContractError):
                     result = await answer
-                    return JSONResponse(result)  # it got a world as it was cancelled
+                    # It got a world as it was cancelled, but its driver is gone: give the world back.
+                    if not result.get("done"):
+                        with contextlib.suppress(ContractError):
+                            await env.episodes.abandon(result["episode_id"])
                 raise ContractError(503, "no_world_available", "the reset request was cancelled")
 
     async def step(request: Request) -> JSONResponse:

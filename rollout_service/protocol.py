@@ -23,7 +23,7 @@ FailureKind = Literal[
     "env_unreachable",  # no answer from the env (connection refused, reset, transport timeout)
     "env_gone",  # 410: the episode ended, was abandoned or reclaimed while idle
     "env_episode_failed",  # 500: the episode's preparation or grading failed
-    "env_no_world",  # 503: no world could be had
+    "env_no_world",  # 503, or no episode started within timeout_s: the env gave no world
     "env_episode_timeout",  # 504: the episode neither asked nor finished in time
     "env_rejected",  # 400/405/409: the env refused what the service sent (a bug somewhere)
     "env_bad_answer",  # the env answered with something the contract does not allow

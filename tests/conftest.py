@@ -186,3 +186,15 @@ def start_scripted_model(launch):
         return launch("model", port, cmd, ready_path="/v1/models")
 
     return start
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """A check skipped for want of a tool must not pass unnoticed in a green run: say it last, loudly."""
+    missing = [r for r in terminalreporter.stats.get("skipped", []) if "is not installed" in str(r.longrepr)]
+    if missing:
+        terminalreporter.write_sep("!", f"{len(missing)} check(s) NOT RUN: a tool is missing", red=True, bold=True)
+        for report in missing:
+            terminalreporter.write_line(f"  {report.nodeid}: {report.longrepr[-1]}", red=True)
+        terminalreporter.write_line(
+            "  `make test` installs them where it can (as root, with apt); see the Makefile's `tools` target", red=True
+        )

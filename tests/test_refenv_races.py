@@ -186,3 +186,23 @@ def test_hostile_statements_get_an_error_and_cost_neither_memory_nor_the_world(s
     after = memory_mib(pid)
     assert env.proc.proc.poll() is None
     assert after["VmRSS"] - before["VmRSS"] < 100 and after["VmHWM"] - before["VmHWM"] < 100, (before, after)
+
+
+def test_a_reset_whose_driver_left_while_it_waited_gives_its_world_back(start_refenv):
+    """A driver waits in /step/reset (every world held), gives up and disconnects; the world then
+    frees. The episode the env starts for nobody must be ended at once, not left to the reaper."""
+    import socket
+
+    env = start_refenv("--pool", "1", "--step-timeout", "5m")
+    held = httpx.post(f"{env.url}/step/reset", json={}).json()["episode_id"]
+    host, port = env.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        b"POST /step/reset HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    assert wait_until(lambda: env.health()["waiting"] == 1, 10)
+    sock.close()
+    httpx.delete(f"{env.url}/step/{held}")  # the world frees as the driver leaves
+    assert wait_until(lambda: env.health()["leased"] == 0 and env.health()["live_episodes"] == 0, 5)
+    e = env.health()["episodes"]
+    assert e["reclaimed"] == 0 and e["started"] == e["abandoned"] + e["finished"], e

@@ -63,6 +63,9 @@ def test_group_of_8_has_variance_exact_tokens_and_contract(start_refenv, start_s
                 prompt = tokenizer.decode(turn["prompt_token_ids"])
                 assert turn["messages"][-1]["content"] in prompt
                 assert turn["trainable"] is (turn["stage"] == "executor")
+            if a["status"] == "scored":  # the env's own tally of what the service reported on /step
+                assert a["score"]["tokens"]["completion"] == sum(len(t["completion_token_ids"]) for t in a["turns"])
+                assert a["score"]["tokens"]["prompt"] == sum(len(t["prompt_token_ids"]) for t in a["turns"])
     assert env.health()["leased"] == 0
 
 
@@ -134,14 +137,20 @@ def test_attempt_timeout_and_max_turns_abandon_their_episodes(start_refenv, star
     assert wait_until(lambda: env.health()["leased"] == 0, 3)
     assert env.health()["episodes"]["abandoned"] == 2
 
-    quick = start_refenv("--pool", "2")
-    service2 = start_service([quick.url])
-    g = group(service2.url, task_id="t005", n=2, max_turns=1, sampling={"temperature": 0.8, "max_tokens": 16}).json()
+
+def test_max_turns_ends_an_episode_that_never_answers(start_refenv, start_service, start_scripted_model):
+    """A model that only ever queries (a scripted stand-in: the real one may answer at once) must be
+    stopped at max_turns: a policy failure, its episode abandoned."""
+    model = start_scripted_model("sql-forever")
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], vllm=model.url, model="scripted")
+    g = group(service.url, task_id="t005", n=2, max_turns=2, sampling={"temperature": 0.8, "max_tokens": 16}).json()
+    assert_accounted(g)
     for a in g["attempts"]:
-        assert len(a["turns"]) == 1
-        if a["status"] != "scored":  # an attempt that answered in one turn finished on its own
-            assert a["status"] == "policy_failure" and a["failure"]["kind"] == "max_turns"
-    assert quick.health()["leased"] == 0
+        assert len(a["turns"]) == 2
+        assert a["status"] == "policy_failure" and a["failure"]["kind"] == "max_turns" and a["reward"] == 0.0
+    assert wait_until(lambda: env.health()["leased"] == 0, 10)
+    assert env.health()["episodes"]["abandoned"] == 2
 
 
 def test_client_disconnect_abandons_every_episode_within_a_second(start_refenv, start_service):
@@ -149,7 +158,7 @@ def test_client_disconnect_abandons_every_episode_within_a_second(start_refenv, 
     service = start_service([env.url])
     with pytest.raises(httpx.ReadTimeout):
         group(service.url, timeout=4, task_id="t005", n=4, sampling={"temperature": 0.8, "max_tokens": 16})
-    assert env.health()["leased"] == 4 or env.health()["episodes"]["abandoned"] > 0
+    assert env.health()["episodes"]["started"] == 4  # every attempt held a world when the trainer left
     gone = time.monotonic()
     assert wait_until(lambda: env.health()["leased"] == 0, 3.0)
     assert time.monotonic() - gone < 1.5
@@ -172,21 +181,29 @@ def test_client_disconnect_abandons_every_episode_within_a_second(start_refenv, 
 @pytest.mark.parametrize(
     "body,status,words",
     [
-        ({"task_id": "t001", "n": 0}, 422, "n"),
+        ({"task_id": "t001", "n": 0}, 422, "n: Input should be greater than or equal to 1"),
         ({"task_id": "t001", "n": 1000}, 422, "--max-n"),
         ({"task_id": "no-such-task", "n": 2}, 404, "no-such-task"),
         ({"slug": "no-such-slug", "n": 2}, 404, "no-such-slug"),
         ({"task_id": "t001", "n": 4, "sampling": {"temperature": 0}}, 422, "greedy group has no signal"),
-        ({"task_id": "t001", "reward_profile": "fastest"}, 422, "reward_profile"),
+        ({"task_id": "t001", "reward_profile": "fastest"}, 422, "reward_profile: Input should be 'rl' or 'benchmark'"),
         ({"task_id": "t001", "slug": "x"}, 422, "exactly one of task_id or slug"),
         ({"n": 2}, 422, "exactly one of task_id or slug"),
-        ({"task_id": "t001", "colour": "blue"}, 422, "colour"),
-        ({"task_id": "t001", "sampling": {"temperature": 3}}, 422, "temperature"),
-        ({"task_id": "t001", "sampling": {"max_tokens": 0}}, 422, "max_tokens"),
-        ({"task_id": "t001", "sampling": {"top_p": 0}}, 422, "top_p"),
-        ({"task_id": "t001", "timeout_s": -1}, 422, "timeout_s"),
-        ({"task_id": "t001", "n": "eight"}, 422, "n"),
-        ({"task_id": "t001", "model": "gpt-9"}, 422, "gpt-9"),
+        ({"task_id": "t001", "colour": "blue"}, 422, "colour: Extra inputs are not permitted"),
+        (
+            {"task_id": "t001", "sampling": {"temperature": 3}},
+            422,
+            "sampling.temperature: Input should be less than or equal to 2",
+        ),
+        (
+            {"task_id": "t001", "sampling": {"max_tokens": 0}},
+            422,
+            "sampling.max_tokens: Input should be greater than or equal to 1",
+        ),
+        ({"task_id": "t001", "sampling": {"top_p": 0}}, 422, "sampling.top_p: Input should be greater than 0"),
+        ({"task_id": "t001", "timeout_s": -1}, 422, "timeout_s: Input should be greater than 0"),
+        ({"task_id": "t001", "n": "eight"}, 422, "n: Input should be a valid integer"),
+        ({"task_id": "t001", "model": "gpt-9"}, 422, "model 'gpt-9' is not served here"),
     ],
 )
 def test_bad_input_gets_a_4xx_that_says_what_to_change(shared_service, body, status, words):
@@ -308,3 +325,23 @@ def test_refenv_support_model_answers_responder_and_hosted_mode(start_refenv, vl
     assert body["task_id"] == "t001" and body["trajectory"] and body["trajectory"][0]["stage"] == "executor"
     assert 0.0 <= body["reward"] <= 1.0 and body["latency_ms"] > 0
     assert hosted.health()["leased"] == 0
+
+
+def test_a_seed_reproduces_every_turns_token_ids_and_attempts_differ(start_refenv, start_service):
+    """With a seed, a rerun samples exactly the same tokens on every turn (the real model: this is a
+    property of vLLM's seeded sampling as the service drives it), while the attempts of one group
+    differ from one another."""
+    env = start_refenv("--pool", "4")
+    service = start_service([env.url])
+    body = {"task_id": "t005", "n": 4, "sampling": {"temperature": 1.0, "max_tokens": 24, "seed": 321}}
+    first, second = (group(service.url, **body).json() for _ in range(2))
+
+    def ids(g: dict) -> list[list[list[int]]]:
+        return [[t["completion_token_ids"] for t in a["turns"]] for a in g["attempts"]]
+
+    assert ids(first) == ids(second)
+    assert [[t["seed"] for t in a["turns"]] for a in first["attempts"]] == [
+        [t["seed"] for t in a["turns"]] for a in second["attempts"]
+    ]
+    first_turns = [a["turns"][0]["completion_token_ids"] for a in first["attempts"]]
+    assert len({tuple(x) for x in first_turns}) > 1, "every attempt sampled the same first turn"

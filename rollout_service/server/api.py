@@ -9,25 +9,18 @@ import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..protocol import BatchRequest, ErrorBody, GroupRequest, GroupResult
-from .service import RequestRefused, RolloutService
+from .service import RequestRefused, RolloutService, shutting_down
 
 router = APIRouter()
-_R = TypeVar("_R")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503)
 }
-_SHUTTING_DOWN = RequestRefused(
-    503,
-    "shutting_down",
-    "the service is shutting down; this group's episodes were "
-    "abandoned and its worlds given back. Send it again to a running service",
-)
 
 
 def _service(request: Request) -> RolloutService:
@@ -42,12 +35,12 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def with_cancellation(handler: Callable[..., Awaitable[_R]]) -> Callable[..., Awaitable[_R]]:
+def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
     """Cancel the handler (and so abandon its episodes) when the client disconnects first.
     The handler must take the `Request` as its `request` keyword argument."""
 
     @functools.wraps(handler)
-    async def wrapper(*args: Any, **kwargs: Any) -> _R:
+    async def wrapper(*args: Any, **kwargs: Any) -> Response:
         work = asyncio.ensure_future(handler(*args, **kwargs))
         watcher = asyncio.ensure_future(_disconnected(kwargs["request"]))
         try:
@@ -55,7 +48,7 @@ def with_cancellation(handler: Callable[..., Awaitable[_R]]) -> Callable[..., Aw
             if not work.done():
                 work.cancel()
                 await asyncio.wait([work])
-                raise asyncio.CancelledError("client disconnected")
+                return Response(status_code=499)  # nobody reads it: the client is gone
             return work.result()
         finally:
             watcher.cancel()
@@ -75,7 +68,7 @@ async def post_group(body: GroupRequest, request: Request) -> Response:
         result = await task
     except asyncio.CancelledError:
         if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
-            raise _SHUTTING_DOWN from None  # the service cancelled the group, not the client
+            raise shutting_down() from None  # the service cancelled the group, not the client
         raise
     return Response(result, media_type="application/json")
 

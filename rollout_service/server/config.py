@@ -43,7 +43,13 @@ class EndpointSpec(BaseModel):
                 raise ValueError(
                     f"{text!r}: unknown option {option!r} (api-key-env=VAR, model=SERVED, token-ids=true|false)"
                 )
-            fields[key] = value.strip().lower() in ("1", "true", "yes") if key == "token_ids" else value.strip()
+            if key == "token_ids":
+                flag = value.strip().lower()
+                if flag not in ("1", "true", "yes", "0", "false", "no"):
+                    raise ValueError(f"{text!r}: token-ids takes true or false, not {value!r}")
+                fields[key] = flag in ("1", "true", "yes")
+            else:
+                fields[key] = value.strip()
         return cls(**fields)
 
 

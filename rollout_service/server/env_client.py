@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from inference.client import clean_text
 
 # An error text from the env is data for the trainer: keep it, but bounded.
 MAX_DETAIL_CHARS = 500
@@ -32,6 +35,13 @@ class EnvUnreachable(EnvError):
     """No answer: connection refused or reset, or the transport timed out."""
 
     kind = "env_unreachable"
+
+
+class EnvDown(EnvUnreachable):
+    """Connection refused: no env process is listening. Its episodes went with it (a restarted env
+    starts with every world free), so there is nothing to abandon."""
+
+    episode_over = True
 
 
 class EnvRejected(EnvError):
@@ -72,9 +82,11 @@ class EpisodeTimeout(EnvError):
 
 
 class BadEnvAnswer(EnvError):
-    """A 2xx answer the contract does not allow (not JSON, wrong shape)."""
+    """A 2xx answer the contract does not allow (not JSON, wrong shape). `episode_id`: the episode
+    the answer named, if it named one, so that it can still be abandoned."""
 
     kind = "env_bad_answer"
+    episode_id: str | None = None
 
 
 _BY_STATUS: dict[int, type[EnvError]] = {
@@ -110,8 +122,13 @@ class StepAnswer(BaseModel):
     status: str | None = None
     answer: Any = None
     pass_: bool = Field(False, alias="pass")
-    reward: float = 0.0
+    reward: float = Field(0.0, allow_inf_nan=False)  # NaN would silently void every advantage
     score: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return clean_text(data)
 
     @property
     def failure_category(self) -> str | None:
@@ -184,7 +201,15 @@ class EnvClient:
         body: dict[str, Any] = {"task_id": task_id}
         if reward_profile:
             body["reward_profile"] = reward_profile
-        return _validate(StepAnswer, await self._call("POST", "/step/reset", json=body))
+        data = await self._call("POST", "/step/reset", json=body)
+        try:
+            return _validate(StepAnswer, data)
+        except BadEnvAnswer as exc:
+            # The env may have started the episode all the same: keep its id so it can be given back.
+            named = data.get("episode_id")
+            if isinstance(named, str) and not data.get("done"):
+                exc.episode_id = named
+            raise
 
     async def step(self, episode_id: str, completion: str, prompt_tokens: int, completion_tokens: int) -> StepAnswer:
         body = {
@@ -198,7 +223,7 @@ class EnvClient:
     async def abandon(self, episode_id: str) -> None:
         """DELETE the episode; 410 means its world is already back, which is what we want."""
         try:
-            await self._call("DELETE", f"/step/{episode_id}", timeout=30.0)
+            await self._call("DELETE", f"/step/{quote(episode_id, safe='')}", timeout=30.0)
         except EpisodeGone:
             pass
 
@@ -212,6 +237,8 @@ class EnvClient:
             response = await self._http.request(method, path, **kwargs)
         except httpx.TimeoutException as exc:
             raise EnvUnreachable(None, "transport_timeout", f"{method} {path}: {type(exc).__name__}") from None
+        except httpx.ConnectError as exc:
+            raise EnvDown(None, "transport_error", f"{method} {path}: {type(exc).__name__}: {exc}") from None
         except httpx.HTTPError as exc:
             raise EnvUnreachable(None, "transport_error", f"{method} {path}: {type(exc).__name__}: {exc}") from None
         try:

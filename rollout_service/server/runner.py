@@ -40,6 +40,9 @@ log = logging.getLogger("rollout_service.runner")
 # The env finished the episode but says it could not grade it: infrastructure, not a zero.
 UNSCORABLE_CATEGORIES = ("transport_error", "environment_failure")
 _SEED_STRIDE = 7919  # attempt i samples with seed + i * stride + turn: different, reproducible
+# How long an ending keeps DELETEing an episode the env will not give back: the contract's idle
+# reclaim (5 minutes by default) plus a margin; past it the env has ended the episode itself.
+ABANDON_PATIENCE_S = 330.0
 
 
 @dataclass
@@ -103,6 +106,7 @@ class GroupRunner:
         self.config = config or RunnerConfig()
         self._group_seq = 0
         self._endings: set[asyncio.Task] = set()  # episodes being ended in the background
+        self._draining = False  # shutting down: endings stop retrying
 
     @property
     def episodes_ending(self) -> int:
@@ -115,6 +119,7 @@ class GroupRunner:
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (bounded) for episodes still being ended, e.g. before the env clients close."""
+        self._draining = True
         if self._endings:
             await asyncio.wait(set(self._endings), timeout=timeout_s)
 
@@ -222,8 +227,14 @@ class GroupRunner:
                     _score(attempt, answer)
                     retryable = attempt.status == "env_failure"
         except TimeoutError:
-            _fail(attempt, "deadline", f"the try did not finish within timeout_s={request.timeout_s:g}")
+            if attempt.episode_id is None:  # the env never gave a world: not the policy's doing
+                _fail(attempt, "env_no_world", f"the env started no episode within timeout_s={request.timeout_s:g}")
+                retryable = True
+            else:
+                _fail(attempt, "deadline", f"the try did not finish within timeout_s={request.timeout_s:g}")
         except EnvError as exc:
+            if isinstance(exc, BadEnvAnswer) and attempt.episode_id is None and exc.episode_id:
+                attempt.episode_id = exc.episode_id  # a malformed reset answer that still names its episode
             over = exc.episode_over
             _fail(attempt, cast(FailureKind, exc.kind), f"{exc.status or 'no answer'} {exc.error}: {exc.message}")
             retryable = exc.retryable
@@ -246,12 +257,13 @@ class GroupRunner:
             )
             # A reset that never reached us may still have started an episode: the ending takes it over.
             unknown_reset = reset if attempt.episode_id is None else None
-            ending = self._end_episode(env, slot, held_from, None if over else attempt.episode_id, unknown_reset)
-            # Wait for a quick ending (an abandon) so the group answers after its worlds are back, but
-            # never for a reset still in flight: timeout_s bounds the try. A second cancellation here
-            # leaves the ending running on its own; it still frees the slot.
-            if ending is not None and (unknown_reset is None or unknown_reset.done()):
-                await asyncio.shield(ending)
+            first_delete = self._end_episode(env, slot, held_from, None if over else attempt.episode_id, unknown_reset)
+            # Wait for the ending's first DELETE so the group answers after its worlds are back, but
+            # never for a reset still in flight (timeout_s bounds the try) nor for the retries of an
+            # env that refuses or is down (the ending keeps the slot and goes on by itself). A second
+            # cancellation here leaves the ending running on its own; it still frees the slot.
+            if first_delete is not None and (unknown_reset is None or unknown_reset.done()):
+                await asyncio.shield(first_delete.wait())
         return attempt, retryable
 
     def _end_episode(
@@ -261,16 +273,18 @@ class GroupRunner:
         held_from: float,
         episode_id: str | None,
         reset: asyncio.Task[StepAnswer] | None,
-    ) -> asyncio.Task | None:
+    ) -> asyncio.Event | None:
         """Give the world back: abandon the episode if it is open, then free the slot. Anything to
-        wait for runs as its own task (kept in `_endings`), so no cancellation can cut it short."""
+        wait for runs as its own task (kept in `_endings`), so no cancellation can cut it short.
+        Returns an event set once the first DELETE has been answered (or there was nothing to end)."""
         if episode_id is None and reset is None:
             self._release(env, slot, held_from)
             return None
-        task = asyncio.ensure_future(self._abandon_then_release(env, slot, held_from, episode_id, reset))
+        first_delete = asyncio.Event()
+        task = asyncio.ensure_future(self._abandon_then_release(env, slot, held_from, episode_id, reset, first_delete))
         self._endings.add(task)
         task.add_done_callback(self._endings.discard)
-        return task
+        return first_delete
 
     async def _abandon_then_release(
         self,
@@ -279,6 +293,7 @@ class GroupRunner:
         held_from: float,
         episode_id: str | None,
         reset: asyncio.Task[StepAnswer] | None,
+        first_delete: asyncio.Event,
     ) -> None:
         try:
             if reset is not None:
@@ -286,15 +301,36 @@ class GroupRunner:
                     answer = await reset
                     if not answer.done:
                         episode_id = answer.episode_id
+                except BadEnvAnswer as exc:
+                    episode_id = exc.episode_id
                 except (Exception, asyncio.CancelledError):
                     pass  # no episode was started (or none we can name)
             if episode_id is not None:
-                try:
-                    await env.client.abandon(episode_id)
-                except EnvError as exc:
-                    log.warning("could not abandon episode %s on %s: %s", episode_id, env.url, exc)
+                await self._abandon_patiently(env, episode_id, first_delete)
         finally:
+            first_delete.set()
             self._release(env, slot, held_from)
+
+    async def _abandon_patiently(self, env: EnvHandle, episode_id: str, first_delete: asyncio.Event) -> None:
+        """DELETE the episode until the env says it is gone. Until then the world is the env's and
+        the slot stays held; a stopped or restarting env is retried with backoff, up to the contract's
+        idle reclaim (by then the env has ended the episode itself)."""
+        deadline = time.monotonic() + ABANDON_PATIENCE_S
+        delay = 0.5
+        while True:
+            try:
+                await env.client.abandon(episode_id)
+                return
+            except EnvError as exc:
+                first_delete.set()
+                if exc.episode_over:  # the env process is gone, and its worlds with it
+                    return
+                if self._draining or time.monotonic() + delay > deadline:
+                    log.warning("gave up abandoning episode %s on %s: %s", episode_id, env.url, exc)
+                    return
+                log.warning("abandoning episode %s on %s failed (%s); again in %.1fs", episode_id, env.url, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
     def _release(self, env: EnvHandle, slot: EnvSlots, held_from: float) -> None:
         self.scheduler.release(slot, time.monotonic() - held_from)

@@ -36,6 +36,15 @@ class RequestRefused(Exception):
         self.status, self.error, self.message, self.headers = status, error, message, headers or {}
 
 
+def shutting_down() -> RequestRefused:
+    return RequestRefused(
+        503,
+        "shutting_down",
+        "the service is shutting down; this group's episodes were abandoned "
+        "and its worlds given back. Send it again to a running service",
+    )
+
+
 @dataclass
 class _Discovered:
     url: str
@@ -77,6 +86,7 @@ class RolloutService:
         self.started_at = time.time()
         self.queued_attempts = 0  # attempts accepted and not finished, across all requests
         self._running: set[asyncio.Task] = set()
+        self.closing = False
         self._cancellers: set[asyncio.Task] = set()
 
     # -- start and stop ---------------------------------------------------------------------
@@ -134,7 +144,9 @@ class RolloutService:
         task.add_done_callback(self._cancellers.discard)
 
     def cancel_running(self) -> None:
-        """Cancel every running group now; their episodes are abandoned on the way out."""
+        """Shutting down: refuse new groups, cancel every running one; their episodes are abandoned on
+        the way out."""
+        self.closing = True
         for task in list(self._running):
             task.cancel()
 
@@ -265,7 +277,16 @@ class RolloutService:
                 if len(requests) > 1:
                     exc.message = f"groups[{i}]: {exc.message}"
                 raise
+        if self.closing:
+            raise shutting_down()
         attempts = sum(r.n for r in requests)
+        if attempts > self.config.max_queued_attempts:
+            raise RequestRefused(
+                422,
+                "too_many_attempts",
+                f"this request holds {attempts} attempts, more than this service ever "
+                f"queues ({self.config.max_queued_attempts}, --max-queued-attempts): split it",
+            )
         if self.queued_attempts + attempts > self.config.max_queued_attempts:
             raise RequestRefused(
                 429,

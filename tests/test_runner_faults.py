@@ -1,0 +1,115 @@
+"""The runner against env and model answers no real server can be made to send: a reset answer that
+breaks the contract but names its episode, a DELETE the env refuses for a while, a NaN reward, text
+with a lone surrogate. In-process, over httpx's MockTransport (stand-ins, on purpose): the oracle is
+what the stand-in env saw (its own log of DELETEs) and the scheduler's slot counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from inference.client import ChatClient
+from rollout_service.protocol import EnvContract, GroupRequest
+from rollout_service.server.env_client import EnvClient
+from rollout_service.server.metrics import Metrics
+from rollout_service.server.runner import EnvHandle, GroupRunner, ModelRoute, TaskTarget
+from rollout_service.server.scheduler import EnvSlots, WorldScheduler
+
+ENV = "http://env"
+
+
+class StandInEnv:
+    """Answers reset/step/DELETE from a script; records every DELETE."""
+
+    def __init__(self, reset: dict, step: dict | None = None, delete_failures: int = 0) -> None:
+        self.reset, self.step, self.delete_failures = reset, step, delete_failures
+        self.deletes: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            self.deletes.append(request.url.path)
+            if len(self.deletes) <= self.delete_failures:
+                return httpx.Response(503, json={"error": "busy", "message": "try later"})
+            return httpx.Response(200, json={"done": True, "status": "abandoned"})
+        if request.url.path == "/step/reset":
+            return httpx.Response(200, content=json.dumps(self.reset).encode())
+        return httpx.Response(200, content=json.dumps(self.step or {}).encode())
+
+
+def chat_answer(content: str) -> httpx.MockTransport:
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = {
+            "choices": [{"index": 0, "message": {"content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 3},
+        }
+        return httpx.Response(200, content=json.dumps(body).encode())  # escapes a lone surrogate, as JSON may
+
+    return httpx.MockTransport(answer)
+
+
+def run_group(env: StandInEnv, completion: str = "{}", **request) -> tuple[dict, EnvSlots]:
+    async def go():
+        slots = EnvSlots(ENV, 1)
+        scheduler = WorldScheduler([slots])
+        chat = ChatClient(["http://model"])
+        await chat._http.aclose()
+        chat._http = httpx.AsyncClient(transport=chat_answer(completion))
+        client = EnvClient(ENV, transport=httpx.MockTransport(env))
+        contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
+        target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
+        policy = ModelRoute("m", chat)
+        runner = GroupRunner(scheduler, policy, None, Metrics())
+        try:
+            result = await runner.run_group(GroupRequest(task_id="t001", **request), target, policy)
+            # An ending may still be retrying a DELETE in the background: wait until the slot is free.
+            for _ in range(200):
+                if slots.held == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return result.model_dump(mode="json", by_alias=True), slots
+        finally:
+            await client.aclose()
+            await chat.aclose()
+
+    return asyncio.run(go())
+
+
+def test_a_malformed_reset_answer_that_names_its_episode_still_gets_it_abandoned():
+    env = StandInEnv(reset={"episode_id": "step-7", "done": False, "reward": "n/a", "observation": {"messages": []}})
+    group, slots = run_group(env, n=1, retries=0)
+    assert group["attempts"][0]["failure"]["kind"] == "env_bad_answer"
+    assert env.deletes == ["/step/step-7"]  # the env's world comes back
+    assert slots.held == 0
+
+
+def test_a_refused_delete_keeps_the_slot_until_the_env_gives_the_world_back():
+    obs = {"stage": "executor", "messages": [{"role": "user", "content": "q"}]}
+    env = StandInEnv(reset={"episode_id": "step-1", "done": False, "observation": obs}, delete_failures=2)
+    # max_turns=0 is refused by the protocol; 1 turn then the env asks again: max_turns ends it.
+    env.step = {"episode_id": "step-1", "done": False, "observation": obs}
+    group, slots = run_group(env, n=1, retries=0, max_turns=1)
+    assert group["attempts"][0]["failure"]["kind"] == "max_turns"
+    assert env.deletes == ["/step/step-1"] * 3  # refused twice, then done: the slot waited for it
+    assert slots.held == 0 and slots.max_held == 1
+
+
+def test_a_nan_reward_is_a_contract_breach_not_a_silent_void():
+    env = StandInEnv(reset={"episode_id": "step-2", "done": True, "reward": float("nan"), "score": {}})
+    group, _ = run_group(env, n=1, retries=0)
+    assert group["attempts"][0]["failure"]["kind"] == "env_bad_answer"
+
+
+def test_a_lone_surrogate_in_a_completion_does_not_void_the_group():
+    obs = {"stage": "executor", "messages": [{"role": "user", "content": "q \ud83d"}]}
+    env = StandInEnv(
+        reset={"episode_id": "step-3", "done": False, "observation": obs},
+        step={"episode_id": "step-3", "done": True, "reward": 0.5, "pass": False, "score": {}},
+    )
+    group, slots = run_group(env, completion="an answer \ud83d", n=1, retries=0)
+    attempt = group["attempts"][0]
+    assert attempt["status"] == "scored" and attempt["reward"] == 0.5
+    assert "\ufffd" in attempt["turns"][0]["completion"] and "\ufffd" in attempt["turns"][0]["messages"][0]["content"]
+    json.dumps(group).encode("utf-8")  # the whole group serialises
+    assert slots.held == 0
