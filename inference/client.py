@@ -7,9 +7,10 @@ A server that does not return them (another OpenAI-compatible server) yields `No
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -120,6 +121,7 @@ class Endpoint:
     failures: int = 0
     last_error: str | None = None
     last_ok: float = 0.0
+    excluded: str | None = None  # why no turn is routed here now (e.g. it does not serve the current policy)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -160,6 +162,10 @@ class ChatClient:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
         self._pins: dict[str, Endpoint] = {}
+        self._deadline_s = timeout_s
+        self._routable_again = asyncio.Event()
+        # Told of every failure on a replica before the client retries elsewhere; may exclude it.
+        self.on_failure: Callable[[Endpoint, InferenceError], None] | None = None
         self._throttle = None
         if max_requests_per_second:
             from asyncio_throttle import Throttler
@@ -173,10 +179,38 @@ class ChatClient:
 
     # -- routing -------------------------------------------------------------------------------
 
-    def pin(self, key: str) -> Endpoint:
+    def exclude(self, endpoint: Endpoint, reason: str | None) -> None:
+        """Take a replica out of routing (reason) or put it back (None)."""
+        endpoint.excluded = reason
+        if reason is None:
+            self._routable_again.set()
+
+    def routable(self) -> list[Endpoint]:
+        return [e for e in self.endpoints if e.excluded is None]
+
+    async def _wait_routable(self) -> list[Endpoint]:
+        """The replicas in routing; while there is none (all restarting, or being brought up to the
+        current policy), wait for one, up to the request deadline."""
+        deadline = time.monotonic() + self._deadline_s
+        while not (endpoints := self.routable()):
+            self._routable_again.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                reasons = "; ".join(f"{e.url}: {e.excluded}" for e in self.endpoints)
+                raise InferenceUnreachable(f"no replica is in routing: {reasons}")
+            try:
+                await asyncio.wait_for(self._routable_again.wait(), remaining)
+            except TimeoutError:
+                pass
+        return endpoints
+
+    def pin(self, key: str, endpoints: list[Endpoint] | None = None) -> Endpoint:
         endpoint = self._pins.get(key)
+        if endpoint is not None and endpoint.excluded is not None:
+            self.unpin(key)  # its replica left routing: the group moves
+            endpoint = None
         if endpoint is None:
-            endpoint = min(self.endpoints, key=lambda e: (e.failures > 0, e.load))
+            endpoint = min(endpoints or self.routable() or self.endpoints, key=lambda e: (e.failures > 0, e.load))
             endpoint.groups += 1
             self._pins[key] = endpoint
         return endpoint
@@ -204,22 +238,32 @@ class ChatClient:
         affinity: str | None = None,
     ) -> ChatResult:
         """One chat completion; `sampling` holds temperature, top_p, max_tokens, seed, stop (None = unset)."""
-        endpoint = self.pin(affinity) if affinity else min(self.endpoints, key=lambda e: e.outstanding)
+        endpoint = await self._choose(affinity)
         try:
             return await self._chat_on(endpoint, model, messages, sampling, n, response_format)
         except InferenceError as exc:
-            if not exc.replica_down or len(self.endpoints) == 1:
+            if self.on_failure is not None:
+                self.on_failure(endpoint, exc)
+            if endpoint.excluded is None and not (exc.replica_down and len(self.routable()) > 1):
                 raise
-            # The pinned replica is down: move the group to another one and try once there.
+            # The replica is down, or was just taken out of routing (it may have restarted on other
+            # weights): try once more on one in routing, waiting for one if there is none now.
             if affinity:
                 self.unpin(affinity)
-                self._pins[affinity] = other = min(
-                    (e for e in self.endpoints if e is not endpoint), key=lambda e: e.load
-                )
-                other.groups += 1
+            if endpoint.excluded is None:  # down, but still routed: prefer any other replica
+                others = [e for e in self.routable() if e is not endpoint]
+                other = self.pin(affinity, others) if affinity else min(others, key=lambda e: e.outstanding)
             else:
-                other = min((e for e in self.endpoints if e is not endpoint), key=lambda e: e.outstanding)
+                other = await self._choose(affinity)
             return await self._chat_on(other, model, messages, sampling, n, response_format)
+
+    async def _choose(self, affinity: str | None) -> Endpoint:
+        endpoints = self.routable()
+        if not endpoints:
+            endpoints = await self._wait_routable()
+        if affinity:
+            return self.pin(affinity, endpoints)
+        return min(endpoints, key=lambda e: e.outstanding)
 
     async def _chat_on(
         self,
@@ -262,7 +306,7 @@ class ChatClient:
             endpoint.outstanding -= 1
         latency = time.monotonic() - started
         if response.status_code >= 400:
-            detail = _error_text(response)
+            detail = error_text(response)
             if response.status_code >= 500:
                 endpoint.failures += 1
                 endpoint.last_error = f"{response.status_code}: {detail}"
@@ -284,7 +328,7 @@ def _base(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
-def _error_text(response: httpx.Response) -> str:
+def error_text(response: httpx.Response) -> str:
     try:
         data = response.json()
         if isinstance(data, dict):

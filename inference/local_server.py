@@ -26,10 +26,13 @@ def vllm_command(
     host: str = "127.0.0.1",
     port: int = 8000,
     max_model_len: int = 4096,
+    max_lora_rank: int = 16,
+    max_loras: int = 4,
     extra: list[str] | None = None,
 ) -> list[str]:
     """The command line of a vLLM server. The CPU build's `vllm` script looks up the distribution
-    `vllm` and fails, so the server is started as a module in both builds."""
+    `vllm` and fails, so the server is started as a module in both builds. LoRA is enabled so that
+    a trainer's adapters can be loaded at runtime (`POST /policy`)."""
     return [
         sys.executable,
         "-m",
@@ -54,13 +57,24 @@ def vllm_command(
         # max_tokens with newlines inside an otherwise valid action.
         "--structured-outputs-config",
         '{"backend": "xgrammar", "disable_any_whitespace": true}',
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max_lora_rank),
+        "--max-loras",
+        str(max_loras),
         *(extra or []),
     ]
 
 
-def vllm_environment(kv_cache_gib: int = 4) -> dict[str, str]:
-    """Process environment for the server: a bounded KV cache on the CPU build, no hub access."""
+def vllm_environment(kv_cache_gib: int = 4, dev_mode: bool = True) -> dict[str, str]:
+    """Process environment for the server: a bounded KV cache on the CPU build, no hub access,
+    adapters loadable at runtime, and (`dev_mode`) the pause/resume/reload endpoints that
+    full-weight updates need. Dev mode also exposes `collective_rpc`: only for a server that
+    listens on loopback, as the embedded default does."""
     env = dict(os.environ)
+    env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    if dev_mode:
+        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles
 
-AttemptStatus = Literal["scored", "policy_failure", "env_failure", "inference_failure", "cancelled", "internal_error"]
+AttemptStatus = Literal[
+    "scored", "policy_failure", "env_failure", "inference_failure", "stale", "cancelled", "internal_error"
+]
 
 # Every reason an attempt can end without the env's grade. A closed set: the README lists each.
 FailureKind = Literal[
@@ -36,6 +38,9 @@ FailureKind = Literal[
     "inference_server_error",  # 5xx
     "inference_rejected",  # 4xx other than a context overflow
     "bad_response",  # a completion the service cannot use (no choices, wrong shape)
+    "policy_paused",  # timeout_s ran out while the policy replicas were paused for a weight update
+    # The policy moved on: the attempt fell further behind than max_staleness too many times.
+    "stale",
     # Neither.
     "cancelled",  # the trainer went away, or the service shut down
     "internal_error",  # a bug in the service; the detail says what
@@ -82,11 +87,25 @@ class GroupRequest(BaseModel):
     )
     allow_greedy: bool = Field(False, description="accept temperature 0 with n > 1")
     allow_eval_side: bool = Field(False, description="accept a task served only by an eval-side env")
-    policy_version: str | None = Field(None, max_length=200, description="echoed back")
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="policy updates an attempt's oldest turn may be behind the current version; an attempt "
+        "further behind is re-run from reset. Default: the service's --max-staleness (unbounded unless set)",
+    )
+    policy_version: Any = Field(
+        None, description="no longer accepted: the service records the version of every turn itself", exclude=True
+    )
     group_id: str | None = Field(None, max_length=200, description="echoed back; default: generated")
 
     @model_validator(mode="after")
     def _check(self) -> GroupRequest:
+        if self.policy_version is not None:
+            raise ValueError(
+                "policy_version is not a request field: the service records the version that generated each "
+                "turn (turns[].policy_version, oldest_/newest_policy_version); set versions with POST /policy"
+            )
         if (self.task_id is None) == (self.slug is None):
             raise ValueError("give exactly one of task_id or slug")
         if self.sampling.temperature == 0 and self.n > 1 and not self.allow_greedy:
@@ -122,6 +141,15 @@ class Turn(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     seed: int | None = None
+    policy_version: str | None = Field(
+        None, description="the policy version whose weights generated this turn; null for a non-policy model"
+    )
+    mixed_version: bool = Field(
+        False,
+        description="the turn was being generated across a full-weight update: its tokens come from "
+        "policy_version and policy_version_end, and nothing can tell which from which",
+    )
+    policy_version_end: str | None = Field(None, description="with mixed_version: the version it ended on")
 
 
 class Failure(BaseModel):
@@ -159,6 +187,8 @@ class Attempt(BaseModel):
     tries: int = 1
     earlier_failures: list[Failure] = Field(default_factory=list)
     timings: AttemptTimings = Field(default_factory=AttemptTimings)
+    oldest_policy_version: str | None = None
+    newest_policy_version: str | None = Field(None, description="with a mixed turn: the version after it")
     turns: list[Turn] = Field(default_factory=list)
 
 
@@ -189,7 +219,8 @@ class GroupResult(BaseModel):
     group_id: str
     task_id: str
     slug: str
-    policy_version: str | None = None
+    oldest_policy_version: str | None = Field(None, description="the oldest version any turn of the group came from")
+    newest_policy_version: str | None = None
     model: str
     sampling: dict[str, Any] = Field(description="as sent; attempt i's seed is in its turns")
     n: int
@@ -208,6 +239,66 @@ class GroupResult(BaseModel):
     wall_s: float
     completion_tokens: int
     run_id: str | None = None
+
+
+_VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+
+
+class PathSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1, max_length=4096, description="a folder as the model servers see it")
+
+
+class PolicyUpdate(BaseModel):
+    """POST /policy: what the policy replicas serve from now on."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: str = Field(pattern=_VERSION_PATTERN, description="a new label: letters, digits, '.', '_', '-'")
+    lora: PathSource | None = Field(None, description="a PEFT LoRA adapter folder, loaded next to the base model")
+    weights: PathSource | None = Field(
+        None, description="a full checkpoint folder: replicas pause, reload from it and resume (vLLM dev mode)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PolicyUpdate:
+        if self.lora is not None and self.weights is not None:
+            raise ValueError("give lora or weights, not both")
+        return self
+
+
+class ReplicaUpdate(BaseModel):
+    url: str
+    ok: bool
+    seconds: float
+    error: str | None = None
+
+
+class PolicyUpdateResult(BaseModel):
+    version: str
+    previous: str
+    kind: Literal["lora", "weights", "pushed"]
+    replicas: list[ReplicaUpdate] = Field(description="each policy replica, and whether it took the update")
+    seconds: float
+    finished_at: float
+
+
+class ReplicaState(BaseModel):
+    url: str
+    version: str | None = Field(description="the version it serves; null while the service brings it up to date")
+    routed: bool
+    reason: str | None = None
+
+
+class PolicyState(BaseModel):
+    """GET /policy."""
+
+    version: str
+    kind: Literal["base", "lora", "weights", "pushed"]
+    updates: int = Field(description="successful updates since the service started (staleness counts these)")
+    paused: bool = Field(description="held paused by POST /policy/pause until the next POST /policy")
+    served_model: str = Field(description="the model name turns are sent with (an adapter's own name for LoRA)")
+    replicas: list[ReplicaState]
+    recent_updates: list[PolicyUpdateResult]
 
 
 class ErrorBody(BaseModel):

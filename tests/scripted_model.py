@@ -7,6 +7,7 @@ oracle (which replica or support server got which requests, when they arrived) o
 certain (a model slower than a deadline). Everything else in the tests uses real vLLM.
 
     python tests/scripted_model.py --port P --script SCRIPT [--name NAME] [--delay SECONDS] [--sql-turns K]
+                                   [--listing-delay SECONDS]
 
 SCRIPT, one of:
   answer          every completion is {"action": "answer", "input": "1"}, with ids and logprobs
@@ -23,14 +24,42 @@ Options:
   --name NAME       the served model name (default "scripted"), listed at /v1/models and echoed in answers
   --delay SECONDS   sleep this long before answering each chat request (default 0): a slow model
   --sql-turns K     turns of `sql-then-answer` that run a query before it answers
+  --listing-delay SECONDS
+                    sleep this long before answering each GET /v1/models (default 0, counted on arrival):
+                    a health probe that learns late what the server serves, so a request can reach a
+                    restarted server before its prober does
 
-GET /stats: the server's own view, an oracle for the tests:
-  requests          chat requests received (counted on arrival, before any delay)
+The models it serves, as vLLM started with `--enable-lora` and runtime LoRA updating:
+  GET /v1/models    lists the served name, then every adapter loaded, as {"id": NAME} entries in `data`
+  POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?}
+                    `lora_path` must be an existing directory (nothing in it is read): else 404, vLLM's
+                    {"error": {"message": "Loading lora X failed: No adapter found for PATH",
+                    "type": "NotFoundError", ...}}. A name already loaded is 400 unless `load_inplace`;
+                    the served name is 400. Else the name is served and the answer is 200 text
+                    "Success: LoRA adapter 'X' added successfully." (vLLM's words, not JSON)
+  POST /v1/unload_lora_adapter {"lora_name"}
+                    forgets the adapter (200 text), or 404 when it is not loaded
+  POST /v1/chat/completions
+                    a `model` that is neither the served name nor a loaded adapter gets vLLM's 404
+                    {"error": {"message": "The model `X` does not exist. ...", "type": "NotFoundError",
+                    "param": "model", "code": 404}} at once (no delay); no `model` is the served name.
+                    An adapter answers as the served name does, echoing the adapter's name.
+Adapters live in the process: a restarted process serves the base name alone, as a restarted vLLM does.
+A process started on the port a stopped one held binds it at once (asyncio's listening sockets set
+SO_REUSEADDR), so a test can restart the model server where the service looks for it.
+
+GET /stats: the server's own view, an oracle for the tests (per process: a restarted one starts empty):
+  requests          chat requests received (counted on arrival, before any delay; refused ones too)
   listings          GET /v1/models calls
   by_prompt         chat requests per first user message (the task's prompt: one key per task)
   by_seed           chat requests per `seed` sent ("none" without one)
   by_model          chat requests per `model` asked for
   arrivals          each chat request's arrival time (time.monotonic(), seconds), in order
+  adapters          the adapters loaded now, by name: the path each was loaded from
+  events            what changed or asked for the served models, in the order it arrived:
+                    "load:NAME" and "unload:NAME" for each adapter loaded or unloaded (refused ones
+                    are not events), "chat:MODEL:STATUS" for each chat request on arrival, with the
+                    status it is answered with (200; 404 for an unknown model; 400 for `overflow`)
 """
 
 from __future__ import annotations
@@ -45,7 +74,7 @@ import time
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 ANSWER = json.dumps({"action": "answer", "input": "1"})
@@ -60,8 +89,14 @@ SCRIPTS = ["answer", "sql-forever", "empty-choices", "overflow", "no-ids", "sql-
 
 
 def command(port: int, script: str, *flags: str) -> list[str]:
-    """The command line that serves this stand-in on loopback `port` (flags: --name, --delay, --sql-turns)."""
+    """The command line that serves this stand-in on loopback `port` (flags: --name, --delay, --sql-turns,
+    --listing-delay)."""
     return [sys.executable, os.path.abspath(__file__), "--port", str(port), "--script", script, *flags]
+
+
+def _error(message: str, kind: str, status: int, param: str | None = None) -> JSONResponse:
+    """vLLM's error body (`ErrorResponse`)."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
 def _count(counts: dict, key: object) -> None:
@@ -69,12 +104,59 @@ def _count(counts: dict, key: object) -> None:
     counts[key] = counts.get(key, 0) + 1
 
 
-def build(script: str, name: str = "scripted", delay: float = 0.0, sql_turns: int = 2) -> Starlette:
-    stats: dict = {"requests": 0, "listings": 0, "by_prompt": {}, "by_seed": {}, "by_model": {}, "arrivals": []}
+def build(
+    script: str, name: str = "scripted", delay: float = 0.0, sql_turns: int = 2, listing_delay: float = 0.0
+) -> Starlette:
+    adapters: dict[str, str] = {}  # loaded LoRA adapter name -> the path it was loaded from
+    stats: dict = {
+        "requests": 0,
+        "listings": 0,
+        "by_prompt": {},
+        "by_seed": {},
+        "by_model": {},
+        "arrivals": [],
+        "adapters": adapters,
+        "events": [],
+    }
 
     async def models(request: Request) -> JSONResponse:
         stats["listings"] += 1
-        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model"}]})
+        if listing_delay:
+            await asyncio.sleep(listing_delay)
+        data = [{"id": served, "object": "model"} for served in [name, *adapters]]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def load_adapter(request: Request) -> Response:
+        body = await request.json()
+        lora_name, lora_path = body.get("lora_name"), body.get("lora_path")
+        if not lora_name or not lora_path:
+            return _error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        if lora_name == name:
+            return _error(
+                f"The lora adapter '{lora_name}' conflicts with a served base model.", "InvalidUserInput", 400
+            )
+        if lora_name in adapters and not body.get("load_inplace"):
+            return _error(
+                f"The lora adapter '{lora_name}' has already been loaded. If you want to load the adapter in "
+                "place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+                400,
+            )
+        if not await asyncio.to_thread(os.path.isdir, lora_path):
+            return _error(f"Loading lora {lora_name} failed: No adapter found for {lora_path}", "NotFoundError", 404)
+        adapters[lora_name] = lora_path
+        stats["events"].append(f"load:{lora_name}")
+        return PlainTextResponse(f"Success: LoRA adapter '{lora_name}' added successfully.")
+
+    async def unload_adapter(request: Request) -> Response:
+        lora_name = (await request.json()).get("lora_name")
+        if not lora_name:
+            return _error("'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput", 400)
+        if lora_name not in adapters:
+            return _error(f"The lora adapter '{lora_name}' cannot be found.", "NotFoundError", 404)
+        del adapters[lora_name]
+        stats["events"].append(f"unload:{lora_name}")
+        return PlainTextResponse(f"Success: LoRA adapter '{lora_name}' removed successfully.")
 
     async def chat(request: Request) -> JSONResponse:
         stats["arrivals"].append(time.monotonic())
@@ -84,6 +166,13 @@ def build(script: str, name: str = "scripted", delay: float = 0.0, sql_turns: in
         _count(stats["by_prompt"], first_user)
         _count(stats["by_seed"], body.get("seed"))
         _count(stats["by_model"], body.get("model"))
+        model = body.get("model") or name
+        if model != name and model not in adapters:
+            stats["events"].append(f"chat:{model}:404")
+            return _error(
+                f"The model `{model}` does not exist. Valid aliases: {name}.", "NotFoundError", 404, param="model"
+            )
+        stats["events"].append(f"chat:{model}:{400 if script == 'overflow' else 200}")
         if delay:
             await asyncio.sleep(delay)
         turns_so_far = sum(1 for m in body["messages"] if m["role"] == "assistant")
@@ -94,7 +183,7 @@ def build(script: str, name: str = "scripted", delay: float = 0.0, sql_turns: in
                 {
                     "id": "x",
                     "object": "chat.completion",
-                    "model": name,
+                    "model": model,
                     "choices": [],
                     "usage": {"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10},
                 }
@@ -107,7 +196,7 @@ def build(script: str, name: str = "scripted", delay: float = 0.0, sql_turns: in
         answer: dict = {
             "id": "x",
             "object": "chat.completion",
-            "model": name,
+            "model": model,
             "choices": [choice],
             "usage": {"prompt_tokens": 321, "completion_tokens": len(ids), "total_tokens": 321 + len(ids)},
         }
@@ -124,6 +213,8 @@ def build(script: str, name: str = "scripted", delay: float = 0.0, sql_turns: in
         routes=[
             Route("/v1/models", models),
             Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/load_lora_adapter", load_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_adapter, methods=["POST"]),
             Route("/stats", stats_route),
         ]
     )
@@ -136,8 +227,11 @@ def main() -> None:
     parser.add_argument("--name", default="scripted", help="served model name")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep before each chat answer")
     parser.add_argument("--sql-turns", type=int, default=2, help="queries before answering (sql-then-answer)")
+    parser.add_argument("--listing-delay", type=float, default=0.0, help="seconds to sleep before each /v1/models")
     args = parser.parse_args()
-    app = build(args.script, name=args.name, delay=args.delay, sql_turns=args.sql_turns)
+    app = build(
+        args.script, name=args.name, delay=args.delay, sql_turns=args.sql_turns, listing_delay=args.listing_delay
+    )
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 

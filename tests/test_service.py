@@ -257,8 +257,17 @@ def test_trainer_client_auth_metrics_and_support_routing(start_refenv, start_ser
     assert httpx.post(f"{service.url}/groups", json={"task_id": "t001"}).status_code == 401
     assert httpx.get(f"{service.url}/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
     with RolloutClient(service.url, api_key="s3cret") as client:
-        g = client.group(task_id="t001", n=2, policy_version="step-42", sampling={"temperature": 0.8, "max_tokens": 32})
-        assert g.policy_version == "step-42" and len(g.attempts) == 2
+        g = client.group(task_id="t001", n=2, sampling={"temperature": 0.8, "max_tokens": 32})
+        # No update yet: every turn came from the weights the replicas started with.
+        assert (g.oldest_policy_version, g.newest_policy_version) == ("base", "base") and len(g.attempts) == 2
+        assert {t.policy_version for a in g.attempts for t in a.turns} == {"base"}
+        # A version label typed by the trainer is refused, with where versions come from now.
+        typed = httpx.post(
+            f"{service.url}/groups",
+            json={"task_id": "t001", "policy_version": "step-42"},
+            headers={"Authorization": "Bearer s3cret"},
+        )
+        assert typed.status_code == 422 and "POST /policy" in typed.json()["message"], typed.text
         # Answered episodes end with the responder stage: not the policy's, so not trainable.
         for attempt in g.attempts:
             for turn in attempt.turns:

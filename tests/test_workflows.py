@@ -82,6 +82,7 @@ def test_run_log_survives_restart_and_exports_round_trip(start_refenv, start_ser
         turn = groups[meta["group_id"]]["attempts"][meta["attempt"]]["turns"][meta["turn"]]
         assert record["messages"][:-1] == turn["messages"]  # the prompt, exactly as the env sent it
         assert record["messages"][-1] == {"role": "assistant", "content": turn["completion"]}
+        assert meta["policy_version"] == turn["policy_version"] == "base"  # no update was made
 
     best = cli("export", str(runs / "r1.jsonl"), "--best-of-group", "--out", str(tmp_path / "best.jsonl"))
     assert best.returncode == 0 and "not the best of their group" in best.stdout

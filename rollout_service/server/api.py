@@ -14,12 +14,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..protocol import BatchRequest, ErrorBody, GroupRequest, GroupResult
-from .service import RequestRefused, RolloutService, shutting_down
+from ..protocol import BatchRequest, ErrorBody, GroupRequest, GroupResult, PolicyState, PolicyUpdate, PolicyUpdateResult
+from .errors import RequestRefused, shutting_down
+from .service import RolloutService
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 502, 503)
 }
 
 
@@ -123,6 +124,35 @@ async def _stream(
 
 def _error_line(index: int, error: str, message: str) -> str:
     return json.dumps({"index": index, "error": {"error": error, "message": message[:500]}})
+
+
+@router.get("/policy", response_model=PolicyState, summary="The policy version served, per replica, and recent updates")
+async def get_policy(request: Request) -> PolicyState:
+    return _service(request).versions.state()
+
+
+@router.post(
+    "/policy",
+    response_model=PolicyUpdateResult,
+    responses=_ERRORS,
+    summary="Serve a new policy version: a LoRA adapter, full weights from disk, or weights the trainer pushed",
+    description="New turns use the new version once every replica that took it serves it; turns already "
+    "sent finish on the version they named. 409 version_exists, 409 not_paused (a bare version without "
+    "POST /policy/pause first), 422/502 update_failed (no replica took it: every replica keeps the old one).",
+)
+async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResult:
+    # Not cancelled with its client: an update half-applied to the replicas must finish either way.
+    return await asyncio.shield(_service(request).versions.update(body))
+
+
+@router.post(
+    "/policy/pause",
+    response_model=PolicyState,
+    responses=_ERRORS,
+    summary="Hold every policy replica paused while the trainer pushes weights itself; POST /policy resumes",
+)
+async def pause_policy(request: Request) -> PolicyState:
+    return await asyncio.shield(_service(request).versions.pause())
 
 
 @router.get("/health", summary="Status only (ok, degraded, starting): cheap and public")

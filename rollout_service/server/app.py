@@ -15,8 +15,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api import router
 from .config import ServiceConfig
+from .errors import RequestRefused
 from .middleware import BearerAuth, BodyLimit, error_response
-from .service import RequestRefused, RolloutService
+from .service import RolloutService
 
 log = logging.getLogger("rollout_service.app")
 

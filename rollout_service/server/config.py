@@ -91,6 +91,15 @@ class ServiceConfig(BaseModel):
     policy_stage: Annotated[list[str], Flag(metavar="STAGE")] = Field(
         default_factory=lambda: ["executor"], min_length=1, description="stages the policy is trained on"
     )
+    max_staleness: Annotated[int | None, Flag(metavar="UPDATES", default_text="unbounded")] = Field(
+        None,
+        ge=0,
+        description="policy updates an attempt's oldest turn may be behind the current version when a "
+        "request sets no max_staleness; an attempt further behind is re-run from reset",
+    )
+    update_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        600.0, gt=0, description="deadline of one replica's part of a policy update (loading, reloading)"
+    )
     startup_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         30.0, gt=0, description="how long to wait for the envs' /health and /tasks at start"
     )

@@ -13,14 +13,22 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .policy import PolicyManager
     from .runner import EnvHandle, ModelRoute
 
 _PROBE_TIMEOUT_S = 3.0
 
 
 class BackendMonitor:
-    def __init__(self, envs: list[EnvHandle], routes: list[tuple[str, ModelRoute]], interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        envs: list[EnvHandle],
+        routes: list[tuple[str, ModelRoute]],
+        versions: PolicyManager | None = None,
+        interval_s: float = 2.0,
+    ) -> None:
         self.envs = envs
+        self.versions = versions
         self.routes = routes
         self.interval_s = interval_s
         self._env_state: dict[str, dict[str, Any]] = {e.url: {"ok": True} for e in envs}
@@ -82,8 +90,12 @@ class BackendMonitor:
             if state["ok"]:
                 # Back (a restarted replica): routing ranks it with the others again.
                 endpoint.failures = 0
+                if role == "policy" and self.versions is not None:
+                    await self.versions.reconcile(endpoint, models)  # and on the current version
             if not state["ok"]:
                 state["error"] = f"serves {models}, not {route.request_model}"
         except Exception as exc:  # any failure to answer is "not ok", with its words
             state.update(ok=False, error=f"unreachable: {type(exc).__name__}: {exc}"[:300])
+            if role == "policy" and self.versions is not None:
+                self.versions.replica_unreachable(endpoint, "unreachable at a probe")
         self._model_state[(role, endpoint.url)] = state

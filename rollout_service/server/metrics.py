@@ -38,6 +38,14 @@ class Metrics:
             "rollout_reward", "Scored rewards", buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1), registry=r
         )
 
+        self.turns = Counter("rollout_turns", "Policy turns generated, by policy version", ["version"], registry=r)
+        self.policy_updates = Histogram(
+            "rollout_policy_update_seconds", "Policy updates, by kind", ["kind"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def policy_update(self, kind: str, seconds: float) -> None:
+        self.policy_updates.labels(kind=kind).observe(seconds)
+
     def attempt_done(self, attempt: Attempt) -> None:
         self.attempts.labels(status=attempt.status).inc()
         self.phase.labels(phase="queued").observe(attempt.timings.queued_s)

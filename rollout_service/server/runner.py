@@ -33,6 +33,7 @@ from ..protocol import (
 )
 from .env_client import BadEnvAnswer, EnvClient, EnvError, StepAnswer
 from .metrics import Metrics
+from .policy import PolicyManager
 from .scheduler import EnvSlots, WorldScheduler
 
 log = logging.getLogger("rollout_service.runner")
@@ -43,6 +44,9 @@ _SEED_STRIDE = 7919  # attempt i samples with seed + i * stride + turn: differen
 # How long an ending keeps DELETEing an episode the env will not give back: the contract's idle
 # reclaim (5 minutes by default) plus a margin; past it the env has ended the episode itself.
 ABANDON_PATIENCE_S = 330.0
+# Re-runs of an attempt that fell behind max_staleness, on top of `retries`: past them the policy
+# moves faster than this task's episodes finish, and the attempt is returned as failed (stale).
+MAX_STALE_RERUNS = 8
 
 
 @dataclass
@@ -78,6 +82,11 @@ class TaskTarget:
 @dataclass
 class RunnerConfig:
     policy_stages: frozenset[str] = frozenset({"executor"})
+    max_staleness: int | None = None  # when a request says nothing
+
+
+class _Stale(Exception):
+    """The attempt's oldest turn is further behind the current policy than the request allows."""
 
 
 @dataclass
@@ -86,6 +95,7 @@ class _Clock:
     inference: float = 0.0
     env: float = 0.0
     started: float = field(default_factory=time.monotonic)
+    waiting_for_policy: bool = False  # held by a paused policy: not the policy's time
 
 
 class GroupRunner:
@@ -98,8 +108,10 @@ class GroupRunner:
         support: ModelRoute | None,
         metrics: Metrics,
         config: RunnerConfig | None = None,
+        versions: PolicyManager | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.versions = versions  # the policy's versions; turns of other models carry none
         self.policy = policy
         self.support = support
         self.metrics = metrics
@@ -139,17 +151,34 @@ class GroupRunner:
         group_id = request.group_id or f"g-{uuid.uuid4().hex[:12]}"
         started = time.monotonic()
         try:
-            attempts = await asyncio.gather(
-                *(
-                    self._run_attempt(request, target, policy, group_id, (sequence, i), i, group_id_share)
-                    for i in range(request.n)
+            attempts = list(
+                await asyncio.gather(
+                    *(
+                        self._run_attempt(request, target, policy, group_id, (sequence, i), i, group_id_share)
+                        for i in range(request.n)
+                    )
                 )
             )
+            # An attempt within the bound when it ended may have fallen behind while its siblings
+            # ran: the group returns only attempts within the bound now.
+            while redo := [i for i, a in enumerate(attempts) if self._went_stale(request, a)]:
+                again = await asyncio.gather(
+                    *(
+                        self._run_attempt(
+                            request, target, policy, group_id, (sequence, i), i, group_id_share, attempts[i]
+                        )
+                        for i in redo
+                    )
+                )
+                for i, attempt in zip(redo, again, strict=True):
+                    attempts[i] = attempt
         finally:
             policy.client.unpin(group_id)
             if self.support is not None:
                 self.support.client.unpin(group_id)
-        result = assemble(request, target, policy, group_id, list(attempts), time.monotonic() - started, run_id)
+        result = assemble(
+            request, target, policy, group_id, list(attempts), time.monotonic() - started, run_id, self.versions
+        )
         self.metrics.group_done(result)
         return result
 
@@ -162,22 +191,45 @@ class GroupRunner:
         priority: tuple,
         index: int,
         share: object,
+        prior: Attempt | None = None,
     ) -> Attempt:
-        earlier: list[Failure] = []
-        for try_number in range(1, request.retries + 2):
+        """Run tries until one counts: env failures are re-run up to `retries`, stale attempts up to
+        MAX_STALE_RERUNS more. `prior`: a finished try to go on from (one that went stale)."""
+        attempt, retryable = prior, False
+        while True:
+            earlier: list[Failure] = []
+            if attempt is not None:
+                failure = attempt.failure
+                stale_reruns = sum(f.kind == "stale" for f in attempt.earlier_failures)
+                if failure is not None and failure.kind == "stale":
+                    if stale_reruns >= MAX_STALE_RERUNS:
+                        return attempt
+                elif not retryable or len(attempt.earlier_failures) - stale_reruns >= request.retries:
+                    return attempt
+                earlier = [*attempt.earlier_failures, failure or Failure.of("env_episode_failed")]
             try:
-                attempt, retryable = await self._run_episode(request, target, policy, group_id, priority, index, share)
+                result, retryable = await self._run_episode(request, target, policy, group_id, priority, index, share)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug outside the episode loop: this attempt fails, its siblings go on
                 log.exception("attempt %d of group %s failed unexpectedly", index, group_id)
-                attempt, retryable = _failed(index, "internal_error", f"{type(exc).__name__}: {exc}"), False
-            attempt.tries, attempt.earlier_failures = try_number, list(earlier)
-            self.metrics.attempt_done(attempt)
-            if not retryable or try_number > request.retries:
-                return attempt
-            earlier.append(attempt.failure or Failure.of("env_episode_failed"))
-        raise AssertionError("unreachable")
+                result, retryable = _failed(index, "internal_error", f"{type(exc).__name__}: {exc}"), False
+            result.tries, result.earlier_failures = len(earlier) + 1, earlier
+            self._went_stale(request, result)
+            self.metrics.attempt_done(result)
+            attempt = result
+
+    def _went_stale(self, request: GroupRequest, attempt: Attempt) -> bool:
+        """Turn a graded attempt (scored, or failed by the policy) whose oldest turn is now further
+        behind than the bound into a stale failure; True if it did."""
+        if attempt.status not in ("scored", "policy_failure"):
+            return False
+        why = self._stale_reason(request, attempt)
+        if why is None:
+            return False
+        attempt.reward = attempt.pass_ = attempt.score = attempt.answer = None
+        _fail(attempt, "stale", why)
+        return True
 
     async def _run_episode(
         self,
@@ -209,6 +261,7 @@ class GroupRunner:
                 answer = await self._env_call(clock, asyncio.shield(reset))
                 attempt.episode_id = answer.episode_id
                 while not answer.done:
+                    self._check_staleness(request, attempt)
                     if len(attempt.turns) >= request.max_turns:
                         _fail(
                             attempt,
@@ -226,8 +279,17 @@ class GroupRunner:
                     over = True
                     _score(attempt, answer)
                     retryable = attempt.status == "env_failure"
+        except _Stale as exc:
+            attempt.reward = attempt.pass_ = attempt.score = attempt.answer = None
+            _fail(attempt, "stale", str(exc))
         except TimeoutError:
-            if attempt.episode_id is None:  # the env never gave a world: not the policy's doing
+            if clock.waiting_for_policy:
+                _fail(
+                    attempt,
+                    "policy_paused",
+                    f"timeout_s={request.timeout_s:g} ran out while the policy replicas were paused for an update",
+                )
+            elif attempt.episode_id is None:  # the env never gave a world: not the policy's doing
                 _fail(attempt, "env_no_world", f"the env started no episode within timeout_s={request.timeout_s:g}")
                 retryable = True
             else:
@@ -265,6 +327,28 @@ class GroupRunner:
             if first_delete is not None and (unknown_reset is None or unknown_reset.done()):
                 await asyncio.shield(first_delete.wait())
         return attempt, retryable
+
+    def _check_staleness(self, request: GroupRequest, attempt: Attempt) -> None:
+        """Before a turn: stop an episode that can no longer be returned within the bound."""
+        why = self._stale_reason(request, attempt)
+        if why is not None:
+            raise _Stale(why)
+
+    def _stale_reason(self, request: GroupRequest, attempt: Attempt) -> str | None:
+        bound = request.max_staleness if request.max_staleness is not None else self.config.max_staleness
+        if bound is None or self.versions is None:
+            return None
+        labels = [t.policy_version for t in attempt.turns if t.policy_version is not None]
+        if not labels:
+            return None
+        behind = max(self.versions.behind(label) for label in labels)
+        if behind <= bound:
+            return None
+        oldest = max(labels, key=self.versions.behind)
+        return (
+            f"its turns from version {oldest} are {behind} updates behind {self.versions.current.label} "
+            f"(max_staleness={bound})"
+        )
 
     def _end_episode(
         self,
@@ -363,10 +447,16 @@ class GroupRunner:
         if request.sampling.seed is not None:
             seed = (request.sampling.seed + index * _SEED_STRIDE + turn_index) % (2**31 - 1)
             sampling["seed"] = seed
+        lease = None
+        if self.versions is not None and route is self.policy:
+            clock.waiting_for_policy = True
+            lease = await self.versions.lease()
+            clock.waiting_for_policy = False
+        ended_on = None
         started = time.monotonic()
         try:
             result = await route.client.chat(
-                model=route.request_model,
+                model=lease.version.served_model if lease is not None else route.request_model,
                 messages=observation.messages,
                 sampling=sampling,
                 response_format=observation.response_format,
@@ -374,6 +464,10 @@ class GroupRunner:
             )
         finally:
             clock.inference += time.monotonic() - started
+            if lease is not None and self.versions is not None:
+                ended_on = self.versions.release(lease)
+        if lease is not None:
+            self.metrics.turns.labels(version=lease.version.label).inc()
         self.metrics.inference_latency.observe(time.monotonic() - started)
         choice = result.choices[0]
         has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
@@ -396,6 +490,9 @@ class GroupRunner:
             prompt_tokens=result.prompt_tokens,
             completion_tokens=choice.completion_tokens,
             seed=seed,
+            policy_version=lease.version.label if lease is not None else None,
+            mixed_version=ended_on is not None,
+            policy_version_end=ended_on,
         )
 
 
@@ -406,6 +503,8 @@ def _status_of(failure: Failure) -> AttemptStatus:
         return "cancelled"
     if failure.kind == "internal_error":
         return "internal_error"
+    if failure.kind == "stale":
+        return "stale"
     if failure.kind in ("transport_error", "environment_failure") or failure.kind.startswith("env_"):
         return "env_failure"
     return "inference_failure"
@@ -438,6 +537,15 @@ def _score(attempt: Attempt, answer: StepAnswer) -> None:
     attempt.pass_ = bool(answer.pass_)
 
 
+def _version_span(turns: list[Turn], versions: PolicyManager | None) -> tuple[str | None, str | None]:
+    """The oldest and the newest policy version in these turns (a mixed turn counts with both)."""
+    labels = [t.policy_version for t in turns if t.policy_version is not None]
+    labels += [t.policy_version_end for t in turns if t.policy_version_end is not None]
+    if not labels or versions is None:
+        return None, None
+    return max(labels, key=versions.behind), min(labels, key=versions.behind)
+
+
 def assemble(
     request: GroupRequest,
     target: TaskTarget,
@@ -446,12 +554,14 @@ def assemble(
     attempts: list[Attempt],
     wall_s: float,
     run_id: str | None,
+    versions: PolicyManager | None = None,
 ) -> GroupResult:
     """The group's result: policy failures earn `policy_failure_reward` (flagged by their status),
     unscorable attempts carry no reward; advantages are over the attempts that carry one."""
     for a in attempts:
         if a.status == "policy_failure":
             a.reward, a.pass_ = request.policy_failure_reward, False
+        a.oldest_policy_version, a.newest_policy_version = _version_span(a.turns, versions)
     rewards = [a.reward if a.status in ("scored", "policy_failure") else None for a in attempts]
     advantages = group_advantages(rewards, request.advantage)
     for attempt, advantage in zip(attempts, advantages, strict=True):
@@ -478,6 +588,7 @@ def assemble(
             f"top_p={s.top_p}, max_tokens={s.max_tokens}, seed={s.seed}. Check the temperature first; "
             "then whether the task is far too hard or too easy for this policy."
         )
+    oldest, newest = _version_span([t for a in attempts for t in a.turns], versions)
     contract = target.envs[0].contract
     if request.reward_profile:
         contract = contract.model_copy(update={"reward_profile": request.reward_profile})
@@ -488,7 +599,8 @@ def assemble(
         group_id=group_id,
         task_id=target.task_id,
         slug=target.slug,
-        policy_version=request.policy_version,
+        oldest_policy_version=oldest,
+        newest_policy_version=newest,
         model=policy.model,
         sampling=s.model_dump(exclude_none=True),
         n=request.n,

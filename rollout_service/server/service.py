@@ -13,36 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from inference.client import ChatClient
+from inference.weights import WeightsClient
 
 from ..protocol import EnvContract, GroupRequest
 from .config import ServiceConfig
 from .env_client import EnvClient, EnvError, EnvHealth, EnvTask
+from .errors import RequestRefused, StartupError, shutting_down
 from .health import BackendMonitor
 from .metrics import Metrics
+from .policy import PolicyManager
 from .runlog import RunLog
 from .runner import EnvHandle, GroupRunner, ModelRoute, RunnerConfig, TaskTarget
 from .scheduler import EnvSlots, WorldScheduler
-
-
-class StartupError(Exception):
-    """The service cannot start as configured; the message says what to fix."""
-
-
-class RequestRefused(Exception):
-    """A trainer's request cannot be served as sent: HTTP status, code, what to change, extra headers."""
-
-    def __init__(self, status: int, error: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.error, self.message, self.headers = status, error, message, headers or {}
-
-
-def shutting_down() -> RequestRefused:
-    return RequestRefused(
-        503,
-        "shutting_down",
-        "the service is shutting down; this group's episodes were abandoned "
-        "and its worlds given back. Send it again to a running service",
-    )
 
 
 @dataclass
@@ -64,6 +46,9 @@ class RolloutService:
         self.metrics = Metrics()
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.policy = ModelRoute(config.model, _chat_client(config.vllm, config))
+        self.versions = PolicyManager(
+            self.policy.client, self.policy.request_model, WeightsClient(timeout_s=config.update_timeout), self.metrics
+        )
         self.support: ModelRoute | None = None
         if config.support_model:
             self.support = ModelRoute(config.support_model, _chat_client(config.support_vllm or config.vllm, config))
@@ -121,6 +106,7 @@ class RolloutService:
             self.envs[found.url] = EnvHandle(found.url, clients[found.url], slot, contract)
         self._index_tasks(discovered)
         await self._check_models()
+        await self.versions.start()
         if self.run_log is not None:
             self.run_log.start()
         self.scheduler = WorldScheduler(slots)
@@ -129,9 +115,10 @@ class RolloutService:
             self.policy,
             self.support,
             self.metrics,
-            RunnerConfig(policy_stages=frozenset(self.config.policy_stage)),
+            RunnerConfig(policy_stages=frozenset(self.config.policy_stage), max_staleness=self.config.max_staleness),
+            self.versions,
         )
-        self.monitor = BackendMonitor(list(self.envs.values()), self.model_routes())
+        self.monitor = BackendMonitor(list(self.envs.values()), self.model_routes(), self.versions)
         self.monitor.start()
 
     def cancel_in_background(self, groups: dict[asyncio.Future, int]) -> None:
@@ -158,6 +145,8 @@ class RolloutService:
             await self.runner.drain(timeout_s=30)  # abandons still on their way to the envs
         if self.monitor is not None:
             await self.monitor.stop()
+        await self.versions.close()
+        await self.versions.weights.aclose()
         if self.run_log is not None:
             await self.run_log.close()
         for _, route in self.model_routes():
@@ -350,6 +339,7 @@ class RolloutService:
         if self.monitor is None:
             return "starting"
         ok = self.monitor.all_ok() and (self.run_log is None or self.run_log.error is None)
+        ok = ok and all(e.excluded is None for e in self.policy.client.endpoints) and not self.versions.paused
         return "ok" if ok else "degraded"
 
     def health_detail(self) -> dict:
@@ -370,6 +360,8 @@ class RolloutService:
         for role, route in self.model_routes():
             for endpoint in route.client.endpoints:
                 state = {"url": endpoint.url, "role": role, "model": route.model, "outstanding": endpoint.outstanding}
+                if endpoint.excluded:
+                    state["out_of_routing"] = endpoint.excluded
                 state.update(self.monitor.model_state(role, endpoint.url))
                 if endpoint.last_error:
                     state["last_error"] = endpoint.last_error[:300]
@@ -384,6 +376,10 @@ class RolloutService:
             }
         reasons = [f"env {e['url']}: {e.get('error')}" for e in envs if not e.get("ok")]
         reasons += [f"model server {m['url']}: {m.get('error')}" for m in models if not m.get("ok")]
+        reasons += [f"model server {m['url']}: {m['out_of_routing']}" for m in models if m.get("out_of_routing")]
+        if self.versions.paused_since is not None:
+            held = time.time() - self.versions.paused_since
+            reasons.append(f"policy replicas held paused by POST /policy/pause for {held:.0f}s: no turn starts")
         if run_log and run_log["error"]:
             reasons.append(f"run log: {run_log['error']}")
         return {
@@ -398,6 +394,7 @@ class RolloutService:
             "episodes_ending": self.runner.episodes_ending if self.runner else 0,
             "envs": envs,
             "models": models,
+            "policy": self.versions.state().model_dump(),
         }
 
 

@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..server.app import create_app
-    from ..server.service import StartupError
+    from ..server.errors import StartupError
 
     try:
         config = settings_from(args, ServiceConfig, ENV_PREFIX)
@@ -100,7 +100,10 @@ def _vllm(args: argparse.Namespace) -> int:
         extra=["--enforce-eager"] if args.eager else None,
     )
     print(f"serving {embedded_model.MODEL_NAME} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", flush=True)
-    os.execvpe(cmd[0], cmd, local_server.vllm_environment())
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if not loopback:
+        print("note: not on loopback, so vLLM's dev mode stays off: LoRA updates work, full-weight updates do not")
+    os.execvpe(cmd[0], cmd, local_server.vllm_environment(dev_mode=loopback))
 
 
 def _add_up(sub) -> None:
@@ -231,7 +234,7 @@ def _add_measure(sub) -> None:
 def _measure(args: argparse.Namespace) -> int:
     import json
 
-    from ..server.service import StartupError
+    from ..server.errors import StartupError
     from .measure import format_measurement, run_measure
 
     if args.repeats < 1:

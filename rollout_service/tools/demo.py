@@ -49,7 +49,6 @@ def _run(stack: LocalStack, args: argparse.Namespace) -> int:
             {
                 "task_id": t,
                 "n": args.n,
-                "policy_version": "demo",
                 "sampling": {
                     "temperature": args.temperature,
                     "top_p": 1.0,

@@ -110,7 +110,6 @@ async def _trainer(client: AsyncRolloutClient, spec: LoadSpec, index: int, tally
                 "task_id": spec.tasks[(index + batch_number + i) % len(spec.tasks)],
                 "n": spec.n,
                 "max_turns": spec.max_turns,
-                "policy_version": f"loadtest-{index}",
                 "sampling": {"temperature": spec.temperature, "max_tokens": spec.max_tokens},
             }
             for i in range(size)

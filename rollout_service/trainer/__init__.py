@@ -5,7 +5,7 @@ the `server` extra.
 """
 
 from ..advantages import group_advantages
-from ..protocol import Attempt, GroupRequest, GroupResult, Turn
+from ..protocol import Attempt, GroupRequest, GroupResult, PolicyState, PolicyUpdateResult, Turn
 from .client import (
     AsyncRolloutClient,
     BatchItem,
@@ -24,6 +24,8 @@ __all__ = [
     "GroupFailed",
     "GroupRequest",
     "GroupResult",
+    "PolicyState",
+    "PolicyUpdateResult",
     "RequestRejected",
     "RolloutClient",
     "RolloutError",

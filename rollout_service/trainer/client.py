@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from ..protocol import GroupRequest, GroupResult
+from ..protocol import GroupRequest, GroupResult, PolicyState, PolicyUpdate, PolicyUpdateResult
 
 __all__ = [
     "RolloutClient",
@@ -86,6 +86,17 @@ class _BaseClient:
     @classmethod
     def _batch_body(cls, requests: Iterable[GroupRequest | dict]) -> dict:
         return {"groups": [cls._group_body(r, {}) for r in requests]}
+
+    @staticmethod
+    def _update_body(version: str, lora: str | None, weights: str | None) -> dict:
+        update = PolicyUpdate.model_validate(
+            {
+                "version": version,
+                **({"lora": {"path": lora}} if lora else {}),
+                **({"weights": {"path": weights}} if weights else {}),
+            }
+        )
+        return update.model_dump(mode="json", exclude_none=True)
 
     @staticmethod
     def _raise_for(response: httpx.Response) -> None:
@@ -156,6 +167,24 @@ class RolloutClient(_BaseClient):
         """Each env and model server as last probed, the run log, the queues."""
         return self._get("/health/detail")
 
+    def policy(self) -> PolicyState:
+        """The version served, each replica's, and the recent updates."""
+        return PolicyState.model_validate(self._get("/policy"))
+
+    def update_policy(self, version: str, *, lora: str | None = None, weights: str | None = None) -> PolicyUpdateResult:
+        """Serve `version` from now on: a LoRA adapter folder (`lora`), a full checkpoint folder
+        (`weights`), or, with neither, the weights pushed into the replicas after `pause_policy()`.
+        Paths are as the model servers see them."""
+        response = self._http.post("/policy", json=self._update_body(version, lora, weights), timeout=None)
+        self._raise_for(response)
+        return PolicyUpdateResult.model_validate_json(response.content)
+
+    def pause_policy(self) -> PolicyState:
+        """Hold the policy replicas paused (turns in flight freeze) while you push weights yourself."""
+        response = self._http.post("/policy/pause")
+        self._raise_for(response)
+        return PolicyState.model_validate_json(response.content)
+
     def _get(self, path: str) -> dict:
         response = self._http.get(path)
         self._raise_for(response)
@@ -200,6 +229,21 @@ class AsyncRolloutClient(_BaseClient):
 
     async def health_detail(self) -> dict:
         return await self._get("/health/detail")
+
+    async def policy(self) -> PolicyState:
+        return PolicyState.model_validate(await self._get("/policy"))
+
+    async def update_policy(
+        self, version: str, *, lora: str | None = None, weights: str | None = None
+    ) -> PolicyUpdateResult:
+        response = await self._http.post("/policy", json=self._update_body(version, lora, weights), timeout=None)
+        self._raise_for(response)
+        return PolicyUpdateResult.model_validate_json(response.content)
+
+    async def pause_policy(self) -> PolicyState:
+        response = await self._http.post("/policy/pause")
+        self._raise_for(response)
+        return PolicyState.model_validate_json(response.content)
 
     async def _get(self, path: str) -> dict:
         response = await self._http.get(path)

@@ -89,7 +89,7 @@ def _records(group: GroupResult, attempt: Attempt, opts: ExportOptions, report: 
                 "stage": turn.stage,
                 "reward": attempt.reward,
                 "model": group.model,
-                "policy_version": group.policy_version,
+                "policy_version": turn.policy_version,
                 "catalog_hash": group.env.catalog_hash,
                 "reward_version": group.env.reward_version,
             },

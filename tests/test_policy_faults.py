@@ -1,0 +1,385 @@
+"""Policy updates against replica faults no real vLLM can be made to show on demand: a reload that
+fails half-way, a resume that is refused, a replica that goes down and comes back restarted on its
+launch checkpoint between two probes, a trainer's push that reached only some replicas, shutdown in
+the middle of a reload. The replicas are an in-process stand-in (tests/fake_vllm.py, over httpx's
+MockTransport; a stand-in on purpose), and so is the env. The oracle is the stand-in's own state:
+the weights that generate each completion (every answer names them), the /weight_info label, the
+paused flag and its log of calls, not values read back from the service.
+
+One test per reviewer finding (r1 ... r13) that applies to the current code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from fake_vllm import BASE, checkpoint, made_by, make_manager
+
+from inference.client import ChatClient, InferenceUnreachable
+from rollout_service.protocol import EnvContract, GroupRequest, PolicyUpdate, PolicyUpdateResult
+from rollout_service.server.env_client import EnvClient
+from rollout_service.server.errors import RequestRefused
+from rollout_service.server.health import BackendMonitor
+from rollout_service.server.metrics import Metrics
+from rollout_service.server.policy import PolicyManager
+from rollout_service.server.runner import EnvHandle, GroupRunner, ModelRoute, TaskTarget
+from rollout_service.server.scheduler import EnvSlots, WorldScheduler
+
+ENV = "http://env"
+OBS = {"messages": [{"role": "user", "content": "q"}], "stage": "executor"}
+MESSAGES = [{"role": "user", "content": "x"}]
+
+
+def run(coro, timeout_s: float = 10.0):
+    """Run a test's coroutine; a hang (a turn blocked on a paused replica) fails instead of stalling."""
+
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout_s)
+
+    return asyncio.run(bounded())
+
+
+async def until(predicate, timeout_s: float = 3.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+async def turn(chat: ChatClient, pm: PolicyManager, affinity: str) -> tuple[str, str]:
+    """One routed turn as the runner sends it: (the version it is labelled with, what generated it)."""
+    lease = await asyncio.wait_for(pm.lease(), 2)
+    try:
+        out = await asyncio.wait_for(
+            chat.chat(model=lease.version.served_model, messages=MESSAGES, sampling={}, affinity=affinity), 2
+        )
+    finally:
+        pm.release(lease)
+    return lease.version.label, made_by(out.choices[0].text)
+
+
+class StandInEnv:
+    """An env whose episodes last `turns` steps; `on_reset(k)` runs before the k-th reset answers."""
+
+    def __init__(self, turns: int = 1, on_reset=None) -> None:
+        self.turns, self.on_reset, self.resets = turns, on_reset, 0
+        self.steps: dict[str, int] = {}
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(200, json={"done": True, "status": "abandoned"})
+        if request.url.path == "/step/reset":
+            self.resets += 1
+            if self.on_reset is not None:
+                await self.on_reset(self.resets)
+            episode = f"e{self.resets}"
+            self.steps[episode] = 0
+            return httpx.Response(200, json={"episode_id": episode, "done": False, "observation": OBS})
+        episode = json.loads(request.content)["episode_id"]
+        self.steps[episode] += 1
+        if self.steps[episode] >= self.turns:
+            return httpx.Response(200, json={"episode_id": episode, "done": True, "reward": 1.0, "pass": True})
+        return httpx.Response(200, json={"episode_id": episode, "done": False, "observation": OBS})
+
+
+def make_runner(pm: PolicyManager, chat: ChatClient, env: StandInEnv) -> tuple[GroupRunner, TaskTarget, ModelRoute]:
+    slots = EnvSlots(ENV, 1)
+    client = EnvClient(ENV, transport=httpx.MockTransport(env))
+    contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
+    target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
+    policy = ModelRoute(BASE, chat)
+    return GroupRunner(WorldScheduler([slots]), policy, None, Metrics(), versions=pm), target, policy
+
+
+# -- updates and the replicas they reach -------------------------------------------------------------
+
+
+def test_r1_a_trainer_push_is_credited_only_to_the_replicas_its_pause_held(tmp_path):
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        await pm.update(PolicyUpdate(version="v1", weights={"path": checkpoint(tmp_path, "v1")}))
+        r0, r1, ep1 = fleet[0], fleet[1], chat.endpoints[1]
+        r1.up = False
+        chat.on_failure(ep1, InferenceUnreachable("connection refused"))  # a turn found r1 down
+        await pm.pause()
+        assert r0.paused and not r1.paused  # the pause held r0 only
+        r0.weights = "pushed-v2"  # the trainer pushes into what it paused
+        r1.up = True
+        r1.restart()  # r1 is back on the launch checkpoint, got no push
+        await pm.update(PolicyUpdate(version="v2"))
+        assert r0.label == "v2"
+        assert r1.label != "v2", "a replica the push never reached was labelled with the pushed version"
+        assert fleet.paused == [False, False]
+        before = len(r1.chats())
+        for k in range(4):
+            assert await turn(chat, pm, f"g{k}") == ("v2", "pushed-v2")
+        assert len(r1.chats()) == before  # no v2 turn was generated on the launch weights
+
+    run(go())
+
+
+def test_r2_a_restore_racing_an_update_leaves_the_replica_on_the_new_version(tmp_path):
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        v1, v2 = checkpoint(tmp_path, "v1"), checkpoint(tmp_path, "v2")
+        await pm.update(PolicyUpdate(version="v1", weights={"path": v1}))
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        r1.restart()
+        r1.reload_delay = 0.4  # the restore's reload of v1 is slow ...
+        await pm.reconcile(ep1, await chat.list_models(ep1))  # the monitor: r1 lost v1, restore it
+        assert ep1.excluded is not None
+        await asyncio.sleep(0.05)
+        r1.reload_delay = 0.0  # ... the update's reload of v2 is fast
+        await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))
+        await asyncio.sleep(0.6)  # long past the restore's reload
+        assert (r1.weights, r1.label) == (v2, "v2"), "the restore of v1 landed over the update to v2"
+        assert ep1.excluded is None
+        for ep in chat.routable():
+            assert fleet.replicas[ep.url].weights == v2
+        for k in range(4):
+            assert await turn(chat, pm, f"g{k}") == ("v2", v2)
+
+    run(go())
+
+
+def test_r3_a_reload_failing_half_way_excludes_the_replica_and_marks_the_frozen_turn_mixed(tmp_path):
+    async def go():
+        fleet, chat, pm = await make_manager(1)
+        v1, v2 = checkpoint(tmp_path, "v1"), checkpoint(tmp_path, "v2")
+        await pm.update(PolicyUpdate(version="v1", weights={"path": v1}))
+        r0, ep0 = fleet[0], chat.endpoints[0]
+        r0.reload_fail, r0.chat_delay = "half", 0.3
+        lease = await pm.lease()
+        in_flight = asyncio.ensure_future(
+            chat.chat(model=lease.version.served_model, messages=MESSAGES, sampling={}, affinity="g")
+        )
+        await asyncio.sleep(0.1)  # the turn is being generated when the update pauses r0
+        with pytest.raises(RequestRefused) as refused:
+            await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))
+        assert refused.value.status == 502
+        assert r0.weights == v2 + "-HALF"  # the fake: neither v1 nor v2 any more
+        assert ep0.excluded is not None, "a replica with half-reloaded weights stayed in routing"
+        out = await in_flight
+        ended_on = pm.release(lease)
+        assert "->" in made_by(out.choices[0].text)  # the fake: the weights changed under the turn
+        assert ended_on is not None, "a turn the failed reload changed under was not marked mixed"
+        served = len(r0.chats())
+        with pytest.raises(TimeoutError):  # no turn reaches r0 until it is checked
+            await asyncio.wait_for(chat.chat(model=BASE, messages=MESSAGES, sampling={}), 0.3)
+        assert len(r0.chats()) == served
+        # The monitor's next look brings it back to v1.
+        r0.reload_fail, r0.chat_delay = None, 0.0
+        await pm.reconcile(ep0, await chat.list_models(ep0))
+        assert await until(lambda: ep0.excluded is None)
+        assert (r0.weights, r0.label) == (v1, "v1")
+        assert await turn(chat, pm, "g2") == ("v1", v1)
+
+    run(go())
+
+
+def test_r4_a_replica_that_could_not_be_resumed_stays_out_of_routing_until_resumed(tmp_path):
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        v1 = checkpoint(tmp_path, "v1")
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        r1.resume_fail = 1
+        await pm.update(PolicyUpdate(version="v1", weights={"path": v1}))
+        assert r1.paused  # the fake: its resume was refused
+        assert ep1.excluded is not None, "a replica still paused was put back in routing"
+        before = len(r1.chats())
+        for k in range(4):  # none hangs on the paused replica
+            assert await turn(chat, pm, f"g{k}") == ("v1", v1)
+        assert len(r1.chats()) == before
+        # A look that finds it reachable must not route it while it is paused.
+        await pm.reconcile(ep1, await chat.list_models(ep1))
+        assert await until(lambda: ep1.excluded is None)
+        assert not r1.paused and r1.label == "v1" and r1.weights == v1
+
+    run(go())
+
+
+def test_r5_a_lora_update_sent_during_a_trainer_pause_resumes_the_replicas():
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        await pm.pause()
+        assert fleet.paused == [True, True]
+        await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+        assert fleet.paused == [False, False]
+        label, by = await turn(chat, pm, "g")  # its lease does not block
+        assert (label, by) == ("v1", "ckpt0+/ad/v1")
+
+    run(go())
+
+
+def test_r5_close_resumes_a_pause_the_trainer_still_holds():
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        await pm.pause()
+        assert fleet.paused == [True, True]
+        await pm.close()
+        assert fleet.paused == [False, False]
+
+    run(go())
+
+
+def test_r5_start_resumes_a_replica_an_earlier_service_left_paused():
+    async def go():
+        fleet, _, earlier = await make_manager(2)
+        await earlier.pause()  # ... and that service died without closing
+        assert fleet.paused == [True, True]
+        _, chat, pm = await make_manager(fleet=fleet)
+        assert fleet.paused == [False, False]
+        assert await turn(chat, pm, "g") == ("base", "ckpt0")
+
+    run(go())
+
+
+def test_r7_a_probe_finding_a_replica_down_excludes_it_unless_the_policy_is_base(tmp_path):
+    async def go():
+        # On the base weights a restarted replica serves the policy too: nothing to exclude.
+        fleet, chat, pm = await make_manager(2)
+        monitor = BackendMonitor([], [("policy", ModelRoute(BASE, chat))], pm)
+        fleet[1].up = False
+        await monitor.probe()
+        assert not monitor.model_state("policy", "http://r1")["ok"]
+        assert chat.endpoints[1].excluded is None
+
+        fleet, chat, pm = await make_manager(2)
+        v1 = checkpoint(tmp_path, "v1")
+        await pm.update(PolicyUpdate(version="v1", weights={"path": v1}))
+        monitor = BackendMonitor([], [("policy", ModelRoute(BASE, chat))], pm)
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        r1.up = False
+        await monitor.probe()
+        assert ep1.excluded is not None, "a probe found the replica down and left it in routing"
+        r1.up = True
+        r1.restart()  # back on the launch weights before the next probe
+        before = len(r1.chats())
+        for k in range(4):
+            assert await turn(chat, pm, f"g{k}") == ("v1", v1)
+        assert len(r1.chats()) == before  # no turn labelled v1 generated on ckpt0
+        await monitor.probe()  # the next probe restores it
+        assert await until(lambda: ep1.excluded is None)
+        assert (r1.weights, r1.label) == (v1, "v1")
+
+    run(go())
+
+
+def test_r9_a_second_bare_update_after_one_pause_is_refused_not_paused():
+    async def go():
+        fleet, _, pm = await make_manager(2)
+        await pm.pause()
+        labelled = [len(r.calls("/update_weight_version")) for r in fleet.replicas.values()]
+        first, second = await asyncio.gather(
+            pm.update(PolicyUpdate(version="p1")), pm.update(PolicyUpdate(version="p2")), return_exceptions=True
+        )
+        results = [first, second]
+        done = [r for r in results if isinstance(r, PolicyUpdateResult)]
+        refused = [r for r in results if isinstance(r, RequestRefused)]
+        assert len(done) == 1 and len(refused) == 1, results
+        assert (refused[0].status, refused[0].error) == (409, "not_paused")
+        # The fake: each replica was labelled once, with the version that was accepted.
+        now = [len(r.calls("/update_weight_version")) for r in fleet.replicas.values()]
+        assert [a - b for a, b in zip(now, labelled, strict=True)] == [1, 1]
+        assert [r.label for r in fleet.replicas.values()] == [done[0].version] * 2
+        assert fleet.paused == [False, False]
+
+    run(go())
+
+
+# -- the runner around a paused or moving policy -----------------------------------------------------
+
+
+def test_r10_a_try_timing_out_on_a_paused_policy_is_not_the_policys_failure():
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        runner, target, policy = make_runner(pm, chat, StandInEnv(turns=1))
+        await pm.pause()  # the trainer holds the replicas longer than timeout_s
+        result = await runner.run_group(GroupRequest(task_id="t001", n=1, timeout_s=0.3, retries=1), target, policy)
+        await pm.close()
+        attempt = result.attempts[0]
+        assert attempt.failure is not None
+        assert (attempt.status, attempt.failure.kind, attempt.failure.attribution) == (
+            "inference_failure",
+            "policy_paused",
+            "infrastructure",
+        )
+        assert attempt.reward is None
+        assert all(not r.chats() for r in fleet.replicas.values())  # the fake: no turn was ever sent
+
+    run(go())
+
+
+def test_r11_a_group_returns_no_attempt_behind_the_version_current_when_it_returns():
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+
+        async def update_before_second_reset(k: int) -> None:
+            if k == 2:  # attempt 0 has finished on base; attempt 1 starts after the update
+                await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+
+        runner, target, policy = make_runner(pm, chat, StandInEnv(turns=1, on_reset=update_before_second_reset))
+        request = GroupRequest(task_id="t001", n=2, max_staleness=0, sampling={"temperature": 1.0})
+        result = await runner.run_group(request, target, policy)
+        generated = [made_by(t.completion) for a in result.attempts for t in a.turns]
+        assert generated and all(g == "ckpt0+/ad/v1" for g in generated), generated
+        assert all(a.status == "scored" for a in result.attempts)
+        assert sorted(a.tries for a in result.attempts) == [1, 2]
+        rerun = next(a for a in result.attempts if a.tries == 2)
+        assert [f.kind for f in rerun.earlier_failures] == ["stale"]
+        # The fake: one turn on base (the stale try), then one per attempt on the adapter.
+        assert sorted(c["model"] for r in fleet.replicas.values() for c in r.chats()) == [BASE, "m@v1", "m@v1"]
+
+    run(go())
+
+
+def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too():
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        chats = 0
+
+        async def overflow_after_an_update(request: httpx.Request) -> httpx.Response | None:
+            nonlocal chats
+            chats += 1
+            if chats != 2:
+                return None
+            await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+            return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 2048"}})
+
+        fleet.on_chat = overflow_after_an_update
+        runner, target, policy = make_runner(pm, chat, StandInEnv(turns=5))
+        result = await runner.run_group(GroupRequest(task_id="t001", n=1, max_staleness=0, retries=0), target, policy)
+        attempt = result.attempts[0]
+        generated = [made_by(t.completion) for t in attempt.turns]
+        assert generated and all(g == "ckpt0+/ad/v1" for g in generated), (attempt.status, generated)
+        assert attempt.status == "scored" and attempt.tries == 2
+        assert [f.kind for f in attempt.earlier_failures] == ["stale"]
+
+    run(go())
+
+
+# -- shutdown ------------------------------------------------------------------------------------------
+
+
+def test_r13_close_during_a_full_weight_update_leaves_nothing_paused(tmp_path):
+    async def go():
+        fleet, _, pm = await make_manager(2)
+        for replica in fleet.replicas.values():
+            replica.reload_delay = 0.3
+        v1 = checkpoint(tmp_path, "v1")
+        # As the API runs it: shielded from the request's cancellation.
+        update = asyncio.ensure_future(asyncio.shield(pm.update(PolicyUpdate(version="v1", weights={"path": v1}))))
+        await asyncio.sleep(0.1)
+        assert fleet.paused == [True, True]  # the reload is under way
+        await pm.close()  # what RolloutService.close does
+        await pm.weights.aclose()
+        result = await update  # no unhandled exception
+        assert isinstance(result, PolicyUpdateResult)
+        assert fleet.paused == [False, False]
+        assert [(r.weights, r.label) for r in fleet.replicas.values()] == [(v1, "v1")] * 2
+
+    run(go())
