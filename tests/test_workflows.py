@@ -280,8 +280,10 @@ def test_demo_interrupted_stops_everything_it_started(vllm_url, tmp_path):
     """The README: Ctrl-C stops every process the demo started. SIGINT goes to the demo's process
     group (what a terminal's Ctrl-C does) while its groups run on the env: it exits 130, neither the
     refenv nor the service it printed still answers, and none of its child processes is left."""
-    cmd = [sys.executable, "-m", "rollout_service.tools.cli", "demo", "--vllm", vllm_url, "--groups", "8",
-           "--n", "4", "--pool", "4", "--max-tokens", "48", "--json", str(tmp_path / "demo.json")]  # fmt: skip
+    # -X faulthandler: should the demo ever hang on the way out, SIGABRT prints where (below).
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "rollout_service.tools.cli", "demo", "--vllm", vllm_url,
+           "--groups", "8", "--n", "4", "--pool", "4", "--max-tokens", "48",
+           "--json", str(tmp_path / "demo.json")]  # fmt: skip
     demo = subprocess.Popen(
         cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -304,7 +306,14 @@ def test_demo_interrupted_stops_everything_it_started(vllm_url, tmp_path):
         kinds = sorted(("refenv.cli" in p["cmdline"], "tools.cli serve" in p["cmdline"]) for p in children.values())
         assert kinds == [(False, True), (True, False)], children  # its refenv and its service
         os.killpg(demo.pid, signal.SIGINT)
-        assert demo.wait(90) == 130, "".join(lines)
+        try:
+            code = demo.wait(90)
+        except subprocess.TimeoutExpired:
+            demo.send_signal(signal.SIGABRT)  # faulthandler dumps every thread's stack to its output
+            demo.wait(10)
+            reader.join(10)
+            raise AssertionError("the demo did not exit within 90 s of Ctrl-C:\n" + "".join(lines)) from None
+        assert code == 130, "".join(lines)
         reader.join(10)
         output = "".join(lines)
         assert "Traceback" not in output, output
