@@ -132,10 +132,10 @@ def test_r2_a_restore_racing_an_update_leaves_the_replica_on_the_new_version(tmp
         r1.reload_delay = 0.4  # the restore's reload of v1 is slow ...
         await pm.reconcile(ep1, await chat.list_models(ep1))  # the monitor: r1 lost v1, restore it
         assert ep1.excluded is not None
-        await asyncio.sleep(0.05)
+        assert await until(lambda: bool(r1.calls("/collective_rpc")))  # the restore's reload is under way
         r1.reload_delay = 0.0  # ... the update's reload of v2 is fast
         await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))
-        await asyncio.sleep(0.6)  # long past the restore's reload
+        assert await until(lambda: not pm._restoring)  # the restore has ended, one way or the other
         assert (r1.weights, r1.label) == (v2, "v2"), "the restore of v1 landed over the update to v2"
         assert ep1.excluded is None
         for ep in chat.routable():
@@ -157,7 +157,8 @@ def test_r3_a_reload_failing_half_way_excludes_the_replica_and_marks_the_frozen_
         in_flight = asyncio.ensure_future(
             chat.chat(model=lease.version.served_model, messages=MESSAGES, sampling={}, affinity="g")
         )
-        await asyncio.sleep(0.1)  # the turn is being generated when the update pauses r0
+        # The turn is being generated when the update pauses r0.
+        assert await until(lambda: bool(r0.chats()))
         with pytest.raises(RequestRefused) as refused:
             await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))
         assert refused.value.status == 502
@@ -373,8 +374,7 @@ def test_r13_close_during_a_full_weight_update_leaves_nothing_paused(tmp_path):
         v1 = checkpoint(tmp_path, "v1")
         # As the API runs it: shielded from the request's cancellation.
         update = asyncio.ensure_future(asyncio.shield(pm.update(PolicyUpdate(version="v1", weights={"path": v1}))))
-        await asyncio.sleep(0.1)
-        assert fleet.paused == [True, True]  # the reload is under way
+        assert await until(lambda: fleet.paused == [True, True])  # the reload is under way
         await pm.close()  # what RolloutService.close does
         await pm.weights.aclose()
         result = await update  # no unhandled exception
