@@ -1,8 +1,10 @@
-"""Async client for OpenAI-compatible chat completions (vLLM first), spread over replicas.
+"""Async client for OpenAI-compatible model servers (vLLM first), spread over replicas.
 
-Token-in/token-out: with vLLM the client asks for `return_token_ids` and `logprobs`, so every
-choice carries the exact prompt and completion token ids and one logprob per completion token.
-A server that does not return them (another OpenAI-compatible server) yields `None` there.
+Two ways to ask for a completion: `chat` sends messages (the server renders and tokenizes them),
+`complete` sends the prompt as token ids (vLLM's /v1/completions), with `tokenize` to render
+messages through the server's own chat template. With vLLM both return the exact prompt and
+completion token ids and one logprob per completion token; a server that does not return them
+(another OpenAI-compatible server) yields `None` there.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import httpx
 
 MAX_DETAIL_CHARS = 500
+T = TypeVar("T")
 
 
 class InferenceError(Exception):
@@ -128,6 +131,17 @@ class Endpoint:
         return (self.groups, self.outstanding)
 
 
+def structured_output(response_format: Any) -> dict | None:
+    """The env's `response_format` as vLLM's `structured_outputs` for /v1/completions."""
+    rf = normalize_response_format(response_format)
+    if rf is None or rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return {"json_object": True}
+    schema = (rf.get("json_schema") or {}).get("schema")
+    return {"json": schema} if schema is not None else {"json_object": True}
+
+
 def normalize_response_format(response_format: Any) -> dict | None:
     """The env's `response_format` as OpenAI's: pass an OpenAI-shaped one through, wrap a bare schema."""
     if not response_format:
@@ -237,10 +251,75 @@ class ChatClient:
         response_format: Any = None,
         affinity: str | None = None,
     ) -> ChatResult:
-        """One chat completion; `sampling` holds temperature, top_p, max_tokens, seed, stop (None = unset)."""
+        """One chat completion; `sampling` holds temperature, top_p, max_tokens, seed, stop (None = unset).
+        The server renders `messages` with its chat template and tokenizes them."""
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "n": n,
+            **{k: v for k, v in sampling.items() if v is not None},
+        }
+        if self.token_ids:
+            body.update(logprobs=True, return_token_ids=True)
+        rf = normalize_response_format(response_format)
+        if rf is not None:
+            body["response_format"] = rf
+        return await self._with_failover(affinity, lambda e: self._generate(e, "/v1/chat/completions", body, model))
+
+    async def complete(
+        self,
+        *,
+        model: str,
+        prompt_token_ids: list[int],
+        sampling: Mapping[str, Any],
+        response_format: Any = None,
+        affinity: str | None = None,
+    ) -> ChatResult:
+        """One completion of a prompt given as token ids (vLLM's /v1/completions): nothing the model
+        sampled earlier is tokenized again. The env's response_format becomes a structured-output
+        constraint, as the chat endpoint would apply it."""
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompt_token_ids,
+            **{k: v for k, v in sampling.items() if v is not None},
+            "logprobs": 0,  # the sampled token's own logprob only
+            "return_token_ids": True,
+        }
+        constraint = structured_output(response_format)
+        if constraint is not None:
+            body["structured_outputs"] = constraint
+        return await self._with_failover(affinity, lambda e: self._generate(e, "/v1/completions", body, model))
+
+    async def tokenize(
+        self,
+        *,
+        model: str,
+        messages: list[dict] | None = None,
+        text: str | None = None,
+        add_generation_prompt: bool = True,
+        affinity: str | None = None,
+    ) -> list[int]:
+        """Token ids of `messages` as the server's chat template renders them (vLLM's /tokenize), or of
+        plain `text` without special tokens. A server without /tokenize answers InferenceRejected(404)."""
+        body: dict[str, Any] = {"model": model}
+        if messages is not None:
+            body.update(messages=messages, add_generation_prompt=add_generation_prompt)
+        else:
+            body.update(prompt=text or "", add_special_tokens=False)
+
+        async def send(endpoint: Endpoint) -> list[int]:
+            response, _ = await self._post(endpoint, "/tokenize", body)
+            try:
+                return [int(i) for i in response.json()["tokens"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise BadInferenceResponse(f"unexpected /tokenize answer: {type(exc).__name__}: {exc}") from None
+
+        return await self._with_failover(affinity, send)
+
+    async def _with_failover(self, affinity: str | None, send: Callable[[Endpoint], Awaitable[T]]) -> T:
         endpoint = await self._choose(affinity)
         try:
-            return await self._chat_on(endpoint, model, messages, sampling, n, response_format)
+            return await send(endpoint)
         except InferenceError as exc:
             if self.on_failure is not None:
                 self.on_failure(endpoint, exc)
@@ -255,7 +334,7 @@ class ChatClient:
                 other = self.pin(affinity, others) if affinity else min(others, key=lambda e: e.outstanding)
             else:
                 other = await self._choose(affinity)
-            return await self._chat_on(other, model, messages, sampling, n, response_format)
+            return await send(other)
 
     async def _choose(self, affinity: str | None) -> Endpoint:
         endpoints = self.routable()
@@ -265,35 +344,22 @@ class ChatClient:
             return self.pin(affinity, endpoints)
         return min(endpoints, key=lambda e: e.outstanding)
 
-    async def _chat_on(
-        self,
-        endpoint: Endpoint,
-        model: str,
-        messages: list[dict],
-        sampling: Mapping[str, Any],
-        n: int,
-        response_format: Any,
-    ) -> ChatResult:
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": messages,
-            "n": n,
-            **{k: v for k, v in sampling.items() if v is not None},
-        }
-        if self.token_ids:
-            body.update(logprobs=True, return_token_ids=True)
-        rf = normalize_response_format(response_format)
-        if rf is not None:
-            body["response_format"] = rf
+    async def _generate(self, endpoint: Endpoint, path: str, body: dict[str, Any], model: str) -> ChatResult:
         if self._throttle is not None:
             async with self._throttle:
                 pass
+        response, latency = await self._post(endpoint, path, body)
+        try:
+            return _parse(response.json(), endpoint.url, model, latency)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise BadInferenceResponse(f"unexpected completion shape: {type(exc).__name__}: {exc}") from None
+
+    async def _post(self, endpoint: Endpoint, path: str, body: dict[str, Any]) -> tuple[httpx.Response, float]:
+        """POST to one replica: a 2xx answer and its latency, or the InferenceError that says why not."""
         endpoint.outstanding += 1
         started = time.monotonic()
         try:
-            response = await self._http.post(
-                f"{endpoint.url}/v1/chat/completions", json=body, headers=self._headers(endpoint)
-            )
+            response = await self._http.post(f"{endpoint.url}{path}", json=body, headers=self._headers(endpoint))
         except httpx.TimeoutException as exc:
             endpoint.failures += 1
             endpoint.last_error = f"timeout: {type(exc).__name__}"
@@ -315,10 +381,7 @@ class ChatClient:
                 raise ContextOverflow(detail, response.status_code)
             raise InferenceRejected(detail, response.status_code)
         endpoint.failures, endpoint.last_error, endpoint.last_ok = 0, None, time.time()
-        try:
-            return _parse(response.json(), endpoint.url, model, latency)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise BadInferenceResponse(f"unexpected chat completion shape: {type(exc).__name__}: {exc}") from None
+        return response, latency
 
     def _headers(self, endpoint: Endpoint) -> dict[str, str]:
         return {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
@@ -350,13 +413,16 @@ def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
     choices = []
     for raw in sorted(raw_choices, key=lambda c: c.get("index", 0)):
         logprobs = None
-        content_lp = (raw.get("logprobs") or {}).get("content")
-        if content_lp is not None:
-            logprobs = [float(t["logprob"]) for t in content_lp]
+        raw_lp = raw.get("logprobs") or {}
+        if raw_lp.get("content") is not None:  # chat: one entry per token
+            logprobs = [float(t["logprob"]) for t in raw_lp["content"]]
+        elif raw_lp.get("token_logprobs") is not None:  # completions
+            logprobs = [float(lp) for lp in raw_lp["token_logprobs"]]
         ids = raw.get("token_ids")
         if ids is not None:
             ids = [int(i) for i in ids]
-        text = raw["message"].get("content") or ""
+        text = raw["message"].get("content") if "message" in raw else raw["text"]
+        text = text or ""
         if not isinstance(text, str):
             raise ValueError("message.content is not text")
         text = clean_text(text)
@@ -372,6 +438,8 @@ def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
             )
         )
     prompt_ids = data.get("prompt_token_ids")
+    if prompt_ids is None and raw_choices[0].get("prompt_token_ids") is not None:  # completions: per choice
+        prompt_ids = [int(i) for i in raw_choices[0]["prompt_token_ids"]]
     return ChatResult(
         endpoint=endpoint,
         model=data.get("model", model),

@@ -94,6 +94,18 @@ class GroupRequest(BaseModel):
         description="policy updates an attempt's oldest turn may be behind the current version; an attempt "
         "further behind is re-run from reset. Default: the service's --max-staleness (unbounded unless set)",
     )
+    tokens: Literal["exact", "chat"] | None = Field(
+        None,
+        description="exact: each turn is sent as token ids that continue the attempt's trajectory, so nothing "
+        "sampled is tokenized again (vLLM); chat: messages to /v1/chat/completions, for servers without token "
+        "prompts. Default: exact where the model server accepts token prompts",
+    )
+    constrained: bool = Field(
+        True,
+        description="send the env's response_format to the model server as a structured-output constraint. "
+        "Constrained logprobs are taken after the grammar mask (renormalised over the allowed tokens), so they "
+        "are not the policy's own; false samples freely and returns the policy's logprobs",
+    )
     policy_version: Any = Field(
         None, description="no longer accepted: the service records the version of every turn itself", exclude=True
     )
@@ -150,6 +162,45 @@ class Turn(BaseModel):
         "policy_version and policy_version_end, and nothing can tell which from which",
     )
     policy_version_end: str | None = Field(None, description="with mixed_version: the version it ended on")
+    constrained: bool = Field(
+        False,
+        description="sampled under the env's response_format as a grammar constraint: its logprobs are over "
+        "the tokens the grammar allowed, not the policy's whole vocabulary",
+    )
+    segment: int | None = Field(None, description="exact mode: the trajectory segment this turn's tokens are in")
+
+
+CutReason = Literal["history_rewritten", "template_changed"]
+
+
+class TurnSpan(BaseModel):
+    """Where one sampled completion sits in its segment's token_ids: [start, end)."""
+
+    turn: int = Field(description="index into the attempt's turns")
+    start: int
+    end: int
+    trainable: bool
+    policy_version: str | None = None
+    policy_version_end: str | None = Field(None, description="set when the turn ran across a full-weight update")
+
+
+class Segment(BaseModel):
+    """One exact token sequence of an attempt: the first prompt as the chat template renders it, then
+    each sampled completion's own ids and the tokens of what the env added in between."""
+
+    token_ids: list[int]
+    loss_mask: list[int] = Field(
+        description="1 on tokens the policy sampled at a trainable stage; 0 on prompt, env and other tokens"
+    )
+    logprobs: list[float | None] = Field(description="the sampled token's logprob where loss_mask is 1, else null")
+    prompt_tokens: int = Field(description="tokens before the first sampled one")
+    turns: list[TurnSpan] = Field(default_factory=list)
+    cut: CutReason | None = Field(
+        None,
+        description="why the previous segment ended here (null for the first): the env rewrote history, "
+        "or the chat template rendered the conversation so far differently",
+    )
+    cut_detail: str | None = None
 
 
 class Failure(BaseModel):
@@ -189,6 +240,10 @@ class Attempt(BaseModel):
     timings: AttemptTimings = Field(default_factory=AttemptTimings)
     oldest_policy_version: str | None = None
     newest_policy_version: str | None = Field(None, description="with a mixed turn: the version after it")
+    tokens: Literal["exact", "chat"] = Field("chat", description="how the turns were sent (see GroupRequest.tokens)")
+    trajectory: list[Segment] | None = Field(
+        None, description="exact mode: the attempt's token sequence, one segment per stretch the env did not rewrite"
+    )
     turns: list[Turn] = Field(default_factory=list)
 
 

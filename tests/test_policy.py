@@ -18,7 +18,7 @@ import pytest
 from helpers import assert_accounted, wait_until
 
 from inference import embedded_model
-from inference.client import normalize_response_format
+from inference.client import structured_output
 
 MODEL = embedded_model.MODEL_NAME
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "seed": 1}
@@ -59,17 +59,18 @@ def served_models(vllm: str) -> list[str]:
 
 
 def regenerate(vllm: str, model: str, turn: dict) -> list[int]:
-    """The completion `model` gives greedily for the turn's own request, sent straight to vLLM."""
+    """The completion `model` gives greedily for the turn's own prompt tokens, sent straight to vLLM."""
     body = {
         "model": model,
-        "messages": turn["messages"],
+        "prompt": turn["prompt_token_ids"],
         "temperature": 0,
         "max_tokens": GREEDY["max_tokens"],
         "seed": turn["seed"],
         "return_token_ids": True,
-        "response_format": normalize_response_format(turn["response_format"]),
     }
-    answer = httpx.post(f"{vllm}/v1/chat/completions", json=body, timeout=120)
+    if turn["constrained"]:
+        body["structured_outputs"] = structured_output(turn["response_format"])
+    answer = httpx.post(f"{vllm}/v1/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     return answer.json()["choices"][0]["token_ids"]
 

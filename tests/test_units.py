@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.client import normalize_response_format
+from inference.client import normalize_response_format, structured_output
 from refenv.config import parse_duration
 from rollout_service.advantages import group_advantages, summarize
 
@@ -35,6 +35,11 @@ def test_response_format_normalization():
     openai_shaped = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     assert normalize_response_format(openai_shaped) is openai_shaped
     assert normalize_response_format(None) is None
+    # The same constraint for /v1/completions (vLLM's structured_outputs).
+    assert structured_output(schema) == {"json": schema}
+    assert structured_output(openai_shaped) == {"json": schema}
+    assert structured_output({"type": "json_object"}) == {"json_object": True}
+    assert structured_output({"type": "text"}) is None and structured_output(None) is None
 
 
 def test_durations():

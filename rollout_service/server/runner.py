@@ -16,7 +16,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from inference.client import ChatClient, ContextOverflow, InferenceError
+from inference.client import (
+    BadInferenceResponse,
+    ChatClient,
+    ContextOverflow,
+    InferenceError,
+    structured_output,
+)
 
 from ..advantages import group_advantages, summarize
 from ..protocol import (
@@ -35,6 +41,7 @@ from .env_client import BadEnvAnswer, EnvClient, EnvError, StepAnswer
 from .metrics import Metrics
 from .policy import PolicyManager
 from .scheduler import EnvSlots, WorldScheduler
+from .trajectory import TemplateRenderer, TokenPromptsUnsupported, TrajectoryBuilder
 
 log = logging.getLogger("rollout_service.runner")
 
@@ -56,6 +63,11 @@ class ModelRoute:
     model: str
     client: ChatClient
     served_model: str | None = None  # the name the server knows it by, when it differs
+    renderer: TemplateRenderer | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.client.token_ids:  # a server that returns token ids may take token prompts too
+            self.renderer = TemplateRenderer(self.client, self.request_model)
 
     @property
     def request_model(self) -> str:
@@ -260,6 +272,9 @@ class GroupRunner:
                 reset = asyncio.ensure_future(env.client.reset(target.task_id, request.reward_profile))
                 answer = await self._env_call(clock, asyncio.shield(reset))
                 attempt.episode_id = answer.episode_id
+                trajectory = await self._trajectory(clock, request, policy, group_id)
+                if trajectory is not None:
+                    attempt.tokens, attempt.trajectory = "exact", trajectory.segments
                 while not answer.done:
                     self._check_staleness(request, attempt)
                     if len(attempt.turns) >= request.max_turns:
@@ -269,7 +284,9 @@ class GroupRunner:
                             f"the episode asked for more than max_turns={request.max_turns} completions",
                         )
                         break
-                    turn = await self._complete(clock, request, policy, group_id, index, answer, len(attempt.turns))
+                    turn = await self._complete(
+                        clock, request, policy, group_id, index, answer, len(attempt.turns), trajectory
+                    )
                     attempt.turns.append(turn)
                     answer = await self._env_call(
                         clock,
@@ -327,6 +344,25 @@ class GroupRunner:
             if first_delete is not None and (unknown_reset is None or unknown_reset.done()):
                 await asyncio.shield(first_delete.wait())
         return attempt, retryable
+
+    async def _trajectory(
+        self, clock: _Clock, request: GroupRequest, policy: ModelRoute, group_id: str
+    ) -> TrajectoryBuilder | None:
+        """A trajectory for this try when its turns go out as token ids (exact mode), else None."""
+        renderer = policy.renderer
+        if request.tokens == "chat" or renderer is None:
+            return None
+        started = time.monotonic()
+        try:
+            supported = await renderer.supported(group_id)
+        finally:
+            clock.inference += time.monotonic() - started
+        if supported:
+            return TrajectoryBuilder(renderer, group_id)
+        if request.tokens == "exact":
+            why = renderer.unsupported
+            raise TokenPromptsUnsupported(f"tokens=exact, but the model server cannot take token prompts: {why}")
+        return None
 
     def _check_staleness(self, request: GroupRequest, attempt: Attempt) -> None:
         """Before a turn: stop an episode that can no longer be returned within the bound."""
@@ -436,6 +472,7 @@ class GroupRunner:
         index: int,
         answer: StepAnswer,
         turn_index: int,
+        trajectory: TrajectoryBuilder | None = None,
     ) -> Turn:
         observation = answer.observation
         if observation is None:
@@ -447,6 +484,15 @@ class GroupRunner:
         if request.sampling.seed is not None:
             seed = (request.sampling.seed + index * _SEED_STRIDE + turn_index) % (2**31 - 1)
             sampling["seed"] = seed
+        exact = trajectory is not None and route is policy
+        prompt_ids = None
+        if exact:
+            assert trajectory is not None
+            started = time.monotonic()
+            try:
+                prompt_ids = await trajectory.prompt(observation.messages)
+            finally:
+                clock.inference += time.monotonic() - started
         lease = None
         if self.versions is not None and route is self.policy:
             clock.waiting_for_policy = True
@@ -454,14 +500,25 @@ class GroupRunner:
             clock.waiting_for_policy = False
         ended_on = None
         started = time.monotonic()
+        model = lease.version.served_model if lease is not None else route.request_model
+        constraint = observation.response_format if request.constrained else None
         try:
-            result = await route.client.chat(
-                model=lease.version.served_model if lease is not None else route.request_model,
-                messages=observation.messages,
-                sampling=sampling,
-                response_format=observation.response_format,
-                affinity=group_id,
-            )
+            if prompt_ids is not None:
+                result = await route.client.complete(
+                    model=model,
+                    prompt_token_ids=prompt_ids,
+                    sampling=sampling,
+                    response_format=constraint,
+                    affinity=group_id,
+                )
+            else:
+                result = await route.client.chat(
+                    model=model,
+                    messages=observation.messages,
+                    sampling=sampling,
+                    response_format=constraint,
+                    affinity=group_id,
+                )
         finally:
             clock.inference += time.monotonic() - started
             if lease is not None and self.versions is not None:
@@ -471,9 +528,11 @@ class GroupRunner:
         self.metrics.inference_latency.observe(time.monotonic() - started)
         choice = result.choices[0]
         has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
+        if exact and (not has_ids or choice.logprobs is None or result.prompt_token_ids != prompt_ids):
+            raise BadInferenceResponse("a token-prompt completion without its ids and logprobs, or for another prompt")
         self.metrics.tokens.labels(kind="completion").inc(choice.completion_tokens)
         self.metrics.tokens.labels(kind="prompt").inc(result.prompt_tokens)
-        return Turn(
+        turn = Turn(
             index=turn_index,
             stage=observation.stage,
             trainable=trainable,
@@ -493,7 +552,12 @@ class GroupRunner:
             policy_version=lease.version.label if lease is not None else None,
             mixed_version=ended_on is not None,
             policy_version_end=ended_on,
+            constrained=structured_output(constraint) is not None,
         )
+        if exact:
+            assert trajectory is not None
+            trajectory.record(turn)
+        return turn
 
 
 def _status_of(failure: Failure) -> AttemptStatus:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inference.client import ChatClient
+from inference.client import ChatClient, InferenceError
 from inference.weights import WeightsClient
 
 from ..protocol import EnvContract, GroupRequest
@@ -216,6 +216,11 @@ class RolloutService:
                         "pass --model (or --support-model, or model= of --model-endpoint) "
                         "with one of those names"
                     )
+            if route.renderer is not None:
+                try:  # learn now whether it takes token prompts; a failure here is probed again later
+                    await route.renderer.supported()
+                except InferenceError:
+                    pass
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -254,6 +259,13 @@ class RolloutService:
                     f"model {request.model!r} is not served here; known: {known} (--model, --model-endpoint)",
                 )
             route = named
+        if request.tokens == "exact" and (route.renderer is None or route.renderer.unsupported):
+            why = route.renderer.unsupported if route.renderer else "it was configured with token-ids=false"
+            raise RequestRefused(
+                422,
+                "token_prompts_unsupported",
+                f"tokens=exact, but {route.model}'s server cannot take token prompts ({why}): send tokens: chat",
+            )
         return TaskTarget(target.task_id, target.slug, envs), route
 
     def admit(self, requests: list[GroupRequest]) -> list[tuple[TaskTarget, ModelRoute]]:
@@ -359,7 +371,13 @@ class RolloutService:
         models = []
         for role, route in self.model_routes():
             for endpoint in route.client.endpoints:
-                state = {"url": endpoint.url, "role": role, "model": route.model, "outstanding": endpoint.outstanding}
+                state = {
+                    "url": endpoint.url,
+                    "role": role,
+                    "model": route.model,
+                    "outstanding": endpoint.outstanding,
+                    "token_prompts": _token_prompts(route),
+                }
                 if endpoint.excluded:
                     state["out_of_routing"] = endpoint.excluded
                 state.update(self.monitor.model_state(role, endpoint.url))
@@ -415,3 +433,12 @@ async def cancel_in_slices(tasks: dict[asyncio.Future, int], attempts_per_slice:
             task.cancel()
     if tasks:
         await asyncio.wait(list(tasks))
+
+
+def _token_prompts(route: ModelRoute) -> str:
+    """Whether turns to this route go out as token ids (exact trajectories), for /health/detail."""
+    if route.renderer is None:
+        return "no: token-ids=false"
+    if route.renderer.unsupported:
+        return f"no: {route.renderer.unsupported}"
+    return "yes" if route.renderer.end_of_turn is not None else "not yet probed"

@@ -5,7 +5,7 @@ the `server` extra.
 """
 
 from ..advantages import group_advantages
-from ..protocol import Attempt, GroupRequest, GroupResult, PolicyState, PolicyUpdateResult, Turn
+from ..protocol import Attempt, GroupRequest, GroupResult, PolicyState, PolicyUpdateResult, Segment, Turn
 from .client import (
     AsyncRolloutClient,
     BatchItem,
@@ -16,6 +16,7 @@ from .client import (
     ServiceBusy,
     ServiceUnavailable,
 )
+from .trajectory import NoTrajectory, token_batch, trainable, trl_rollout
 
 __all__ = [
     "AsyncRolloutClient",
@@ -24,13 +25,18 @@ __all__ = [
     "GroupFailed",
     "GroupRequest",
     "GroupResult",
+    "NoTrajectory",
     "PolicyState",
     "PolicyUpdateResult",
     "RequestRejected",
     "RolloutClient",
     "RolloutError",
     "ServiceBusy",
+    "Segment",
     "ServiceUnavailable",
     "Turn",
     "group_advantages",
+    "token_batch",
+    "trainable",
+    "trl_rollout",
 ]

@@ -1,0 +1,217 @@
+"""Exact trajectories on the real CPU vLLM and the real refenv.
+
+Oracles outside the code under test: the turn records as the model server returned them (their
+own prompt and completion ids), the tokenizer of the model files (`transformers`), which
+decodes the ids back to the text the env saw, the model itself in `transformers` (float32), which
+recomputes each sampled token's logprob from the segment's ids, and the service's `--policy-stage`
+(which stages are trainable), not the turns' own flag.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from functools import cache
+
+import httpx
+import pytest
+from helpers import assert_accounted
+
+from inference import embedded_model
+from rollout_service.protocol import Attempt
+from rollout_service.trainer import token_batch, trl_rollout
+
+POLICY_STAGES = {"executor"}  # the service's default --policy-stage
+
+
+@cache
+def model_dir() -> str:
+    return str(embedded_model.cache_dir())
+
+
+def run_groups(service: str, groups: list[dict]) -> list[dict]:
+    answer = httpx.post(f"{service}/groups/batch", json={"groups": groups}, timeout=1200)
+    assert answer.status_code == 200, answer.text
+    items = [json.loads(line) for line in answer.text.splitlines() if line.strip()]
+    results = [item["group"] for item in sorted(items, key=lambda i: i["index"])]
+    for group in results:
+        assert_accounted(group)
+    return results
+
+
+_RUN: dict[str, tuple[list[dict], list[dict]]] = {}
+
+
+@pytest.fixture
+def exact_run(start_refenv, start_service) -> tuple[list[dict], list[dict]]:
+    """Constrained groups on refenv with its responder stage (a rewritten history after each answer),
+    and an unconstrained group, whose logprobs are the policy's own. Run once for the module (by the
+    first test that asks; the processes are per test, the results are not)."""
+    if "run" not in _RUN:
+        _RUN["run"] = _exact_run(start_refenv, start_service)
+    return _RUN["run"]
+
+
+def _exact_run(start_refenv, start_service) -> tuple[list[dict], list[dict]]:
+    env = start_refenv("--pool", "6", "--responder")
+    service = start_service([env.url])
+    tasks = [t["task_id"] for t in httpx.get(f"{env.url}/tasks", timeout=10).json()["tasks"]]
+    sampling = {"temperature": 1.0, "max_tokens": 64, "seed": 11}
+    constrained = run_groups(
+        service.url, [{"task_id": t, "n": 3, "sampling": sampling, "max_turns": 4} for t in tasks[:2]]
+    )
+    free = run_groups(
+        service.url, [{"task_id": tasks[2], "n": 3, "sampling": sampling, "max_turns": 3, "constrained": False}]
+    )
+    return constrained, free
+
+
+def attempts_of(groups: list[dict]) -> list[dict]:
+    return [a for g in groups for a in g["attempts"] if a["turns"]]
+
+
+def test_turns_continue_the_sampled_tokens_exactly(exact_run):
+    """Within a segment, every turn's prompt is the previous prompt, then the previous completion's
+    own ids, then the env's tokens: nothing sampled is tokenized again (in chat mode 19 of 46
+    consecutive pairs were not). The segment is the last turn's prompt and completion."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())
+    pairs = 0
+    for attempt in attempts_of(exact_run[0] + exact_run[1]):
+        assert attempt["tokens"] == "exact"
+        turns, segments = attempt["turns"], attempt["trajectory"]
+        for turn in turns:
+            # The ids are the text the env saw: the completion decodes to it, and the prompt to the chat
+            # template's text of the turn's messages (end-of-turn tokens and all).
+            assert tokenizer.decode(turn["completion_token_ids"], skip_special_tokens=True) == turn["completion"]
+            rendered = tokenizer.apply_chat_template(turn["messages"], tokenize=False, add_generation_prompt=True)
+            assert tokenizer.decode(turn["prompt_token_ids"]) == rendered, (attempt["index"], turn["index"])
+        for before, after in zip(turns, turns[1:], strict=False):
+            if before["segment"] != after["segment"]:
+                continue
+            pairs += 1
+            sent = before["prompt_token_ids"] + before["completion_token_ids"]
+            assert after["prompt_token_ids"][: len(sent)] == sent, (attempt["index"], before["index"])
+        for number, segment in enumerate(segments):
+            mine = [t for t in turns if t["segment"] == number]
+            assert mine, "a segment without a turn"
+            last = mine[-1]
+            assert segment["token_ids"] == last["prompt_token_ids"] + last["completion_token_ids"]
+            assert segment["prompt_tokens"] == len(mine[0]["prompt_token_ids"])
+            assert len(segment["loss_mask"]) == len(segment["logprobs"]) == len(segment["token_ids"])
+    assert pairs >= 5, f"only {pairs} consecutive turn pairs: the run checked too little"
+
+
+def test_loss_mask_covers_exactly_the_trainable_sampled_tokens(exact_run):
+    trained = 0
+    for attempt in attempts_of(exact_run[0] + exact_run[1]):
+        for number, segment in enumerate(attempt["trajectory"]):
+            turns = [t for t in attempt["turns"] if t["segment"] == number]
+            expected_ids = [i for t in turns if t["stage"] in POLICY_STAGES for i in t["completion_token_ids"]]
+            expected_lps = [lp for t in turns if t["stage"] in POLICY_STAGES for lp in t["logprobs"]]
+            masked = [i for i, m in zip(segment["token_ids"], segment["loss_mask"], strict=True) if m]
+            assert masked == expected_ids
+            assert [lp for lp, m in zip(segment["logprobs"], segment["loss_mask"], strict=True) if m] == expected_lps
+            assert all(lp is None for lp, m in zip(segment["logprobs"], segment["loss_mask"], strict=True) if not m)
+            assert set(segment["loss_mask"]) <= {0, 1}
+            trained += len(masked)
+    assert trained > 0
+
+
+def test_a_rewritten_history_cuts_a_segment_and_says_so(exact_run):
+    """refenv's responder stage starts a new conversation after the answer: its turn is the first of
+    a second segment, cut as history_rewritten, and its tokens are not trained (not a policy stage)."""
+    cut = 0
+    for attempt in attempts_of(exact_run[0]):
+        segments = attempt["trajectory"]
+        assert segments[0]["cut"] is None
+        responder = [t for t in attempt["turns"] if t["stage"] == "responder"]
+        assert len(segments) == 1 + len(responder)
+        for turn in responder:
+            segment = segments[turn["segment"]]
+            assert segment["cut"] == "history_rewritten" and segment["cut_detail"]
+            assert segment["prompt_tokens"] == len(turn["prompt_token_ids"])
+            assert not any(segment["loss_mask"])
+            cut += 1
+    assert cut > 0, "no attempt reached the responder stage: nothing was cut"
+
+
+def test_logprobs_without_a_constraint_agree_with_transformers(exact_run):
+    """Unconstrained turns' logprobs are the policy's own: recomputed in float32 from the segment's
+    ids, they agree to bf16 noise, with no offset."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), torch_dtype=torch.float32)
+    model.eval()
+    deltas: list[float] = []
+    for attempt in attempts_of(exact_run[1]):
+        assert all(not t["constrained"] for t in attempt["turns"])
+        for segment in attempt["trajectory"]:
+            ids = torch.tensor([segment["token_ids"]])
+            with torch.no_grad():
+                logits = model(ids).logits[0].float()
+            own = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+            for position, (mask, lp) in enumerate(zip(segment["loss_mask"], segment["logprobs"], strict=True)):
+                if mask:
+                    deltas.append(lp - own[position - 1].item())
+    assert len(deltas) >= 30
+    absolute = [abs(d) for d in deltas]
+    assert statistics.mean(absolute) < 0.05, statistics.mean(absolute)
+    assert max(absolute) < 0.5, max(absolute)
+    assert abs(statistics.mean(deltas)) < 0.02, statistics.mean(deltas)  # no systematic offset
+    assert all(math.isfinite(d) for d in deltas)
+
+
+def test_trainer_shapes(exact_run):
+    """TRL's rollout_func shape (as GRPOTrainer 1.16 validates it: prompt_ids, completion_ids, logprobs,
+    with env_mask aligned to completion_ids) and the padded batch."""
+    attempts = [Attempt.model_validate(a) for a in attempts_of(exact_run[1])]
+    out = trl_rollout(attempts)
+    assert {"prompt_ids", "completion_ids", "logprobs", "env_mask"} <= out.keys()
+    for a, prompt, completion, lps, mask in zip(
+        attempts, out["prompt_ids"], out["completion_ids"], out["logprobs"], out["env_mask"], strict=True
+    ):
+        segment = a.trajectory[0]
+        assert prompt + completion == segment.token_ids
+        assert prompt == a.turns[0].prompt_token_ids
+        assert len(lps) == len(mask) == len(completion)
+        assert sum(mask) == sum(len(t.completion_token_ids) for t in a.turns if t.stage in POLICY_STAGES)
+    batch = token_batch(attempts, pad_token_id=0)
+    rows = [s for a in attempts if a.advantage is not None for s in a.trajectory if any(s.loss_mask)]
+    assert batch["input_ids"].shape[0] == len(rows)
+    for row, segment in enumerate(rows):
+        n = len(segment.token_ids)
+        assert batch["input_ids"][row, :n].tolist() == segment.token_ids
+        assert batch["loss_mask"][row].sum() == sum(segment.loss_mask)
+        assert batch["attention_mask"][row].sum() == n
+
+
+def test_chat_mode_has_no_trajectory(start_refenv, start_service):
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url])
+    task = httpx.get(f"{env.url}/tasks", timeout=10).json()["tasks"][0]["task_id"]
+    [group] = run_groups(
+        service.url,
+        [{"task_id": task, "n": 2, "tokens": "chat", "max_turns": 2, "sampling": {"max_tokens": 48, "seed": 3}}],
+    )
+    for attempt in group["attempts"]:
+        assert attempt["tokens"] == "chat" and attempt["trajectory"] is None
+        assert all(t["prompt_token_ids"] and t["segment"] is None for t in attempt["turns"])
+
+
+def test_a_server_without_token_prompts_gets_chat(start_refenv, start_service, start_scripted_model):
+    """A stand-in OpenAI-compatible server with no /tokenize (what vLLM cannot be made to be): turns go
+    as chat messages without a trajectory, /health/detail says why, and tokens: exact is refused."""
+    model = start_scripted_model("answer")
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], vllm=model.url, model="scripted")
+    [group] = run_groups(service.url, [{"task_id": "t001", "n": 2, "sampling": {"seed": 1}}])
+    assert {a["tokens"] for a in group["attempts"]} == {"chat"}
+    assert all(a["status"] == "scored" and a["trajectory"] is None for a in group["attempts"])
+    [server] = httpx.get(f"{service.url}/health/detail", timeout=10).json()["models"]
+    assert server["token_prompts"].startswith("no: /tokenize answered 404")
+    refused = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 2, "tokens": "exact"}, timeout=30)
+    assert refused.status_code == 422 and refused.json()["error"] == "token_prompts_unsupported", refused.text
