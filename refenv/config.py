@@ -1,9 +1,10 @@
-"""The settings of `refenv serve`, each defined once (flags and `REFENV_*` variables are generated
-from this model), with GraphJin's flag names where GraphJin has the flag."""
+"""The settings of `refenv serve` and `refenv teacher`, each defined once (flags and `REFENV_*`
+variables are generated from these models), with GraphJin's flag names where GraphJin has the flag."""
 
 from __future__ import annotations
 
 import re
+import sqlite3
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -11,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rollout_service.flags import Flag, ListenAddress
 
 from .grading import PROFILES
-from .tasks import parse_split
+from .tasks import Split, Task, build_suite, parse_split
+from .world import build_database
 
 ENV_PREFIX = "REFENV_"
 
@@ -27,10 +29,39 @@ def parse_duration(text: str) -> float:
     return sum(float(n) * scale[u] for n, u in parts)
 
 
-class Settings(BaseModel):
-    """What `refenv serve` runs with."""
+class TaskSuite(BaseModel):
+    """The settings that decide which tasks are served and what their answers are. `refenv serve` and
+    `refenv teacher` share them (the same flags and `REFENV_*` variables), so that a teacher started
+    with an env's flags knows that env's tasks."""
 
     model_config = ConfigDict(extra="forbid")
+
+    suite: Literal["public"] = Field("public", description="task suite; refenv has one: public")
+    seed: int = Field(0, description="data (and, for serve, fault-injection) seed")
+    scale: int = Field(1, ge=1, description="data size multiplier")
+    split: Annotated[str | None, Flag(metavar="auto:F|FILE")] = Field(
+        None,
+        description='auto:F (by family, deterministic) or a JSON file {"train": [...], "eval": [...]} '
+        "of task ids, slugs or families",
+    )
+    side: Literal["train", "eval"] | None = Field(None, description="which side of --split to serve")
+
+    @model_validator(mode="after")
+    def _check_split(self) -> TaskSuite:
+        parse_split(self.split)
+        return self
+
+    def load(self) -> tuple[sqlite3.Connection, list[Task]]:
+        """The pristine database and the tasks served from it, each with its expected answer."""
+        pristine = build_database(self.seed, self.scale)
+        tasks = Split(self.split, self.side).select(build_suite(pristine))
+        if not tasks:
+            raise ValueError("the split leaves no task on this side")
+        return pristine, tasks
+
+
+class Settings(TaskSuite):
+    """What `refenv serve` runs with (the task-suite settings first, from `TaskSuite`)."""
 
     listen: ListenAddress = Field("127.0.0.1:8090", description="where to listen")
     pool: int = Field(2, ge=1, description="worlds, i.e. episodes held at once")
@@ -39,15 +70,6 @@ class Settings(BaseModel):
         300.0, gt=0, description="idle deadline of a parked episode, and the wait for its next observation"
     )
     reward_profile: str = Field("rl", description=f"the default reward profile: {' or '.join(PROFILES)}")
-    suite: Literal["public"] = Field("public", description="task suite; refenv has one: public")
-    seed: int = Field(0, description="data and fault-injection seed")
-    scale: int = Field(1, ge=1, description="data size multiplier")
-    split: Annotated[str | None, Flag(metavar="auto:F|FILE")] = Field(
-        None,
-        description='auto:F (by family, deterministic) or a JSON file {"train": [...], "eval": [...]} '
-        "of task ids, slugs or families",
-    )
-    side: Literal["train", "eval"] | None = Field(None, description="which side of --split to serve")
     responder: bool = Field(False, description="after the answer, ask a responder stage to phrase it (not graded)")
     support_model: Annotated[str | None, Flag(metavar="URL,NAME")] = Field(
         None,
@@ -77,11 +99,19 @@ class Settings(BaseModel):
             raise ValueError(f"must be one of {', '.join(PROFILES)}")
         return value
 
-    @model_validator(mode="after")
-    def _check_split(self) -> Settings:
-        parse_split(self.split)
-        return self
-
     @property
     def step_timeout_s(self) -> float:
         return self.step_timeout
+
+
+TEACHER_ENV_PREFIX = "REFENV_TEACHER_"
+
+
+class TeacherSettings(BaseModel):
+    """What `refenv teacher` runs with, besides its `TaskSuite` (which it reads as `refenv serve` does)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: ListenAddress = Field("127.0.0.1:8093", description="where to listen")
+    name: str = Field("oracle-teacher", min_length=1, description="the model name it serves (in /v1/models)")
+    log_level: Annotated[str, Flag(env=False)] = Field("warning", description="uvicorn log level")

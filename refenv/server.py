@@ -21,8 +21,8 @@ from .config import Settings
 from .episodes import ContractError, EpisodeTable, SupportModelError
 from .grading import PROFILES, REWARD_VERSION, EpisodeRecord, failure_score, grade
 from .support import SupportModel
-from .tasks import Split, Task, build_suite
-from .world import WorldPool, build_database, catalog_hash, table_rows
+from .tasks import Task
+from .world import WorldPool, catalog_hash, table_rows
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -86,12 +86,9 @@ class Environment:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        pristine = build_database(settings.seed, settings.scale)
+        pristine, self.tasks = settings.load()
         self.catalog_hash = catalog_hash(pristine)
         self.pristine_rows = table_rows(pristine)
-        self.tasks: list[Task] = Split(settings.split, settings.side).select(build_suite(pristine))
-        if not self.tasks:
-            raise ValueError("the split leaves no task on this side")
         self.by_id = {t.task_id: t for t in self.tasks}
         self.by_slug = {t.slug: t for t in self.tasks}
         self.support = SupportModel(settings.support_model) if settings.support_model else None

@@ -170,7 +170,7 @@ class Turn(BaseModel):
     segment: int | None = Field(None, description="exact mode: the trajectory segment this turn's tokens are in")
 
 
-CutReason = Literal["history_rewritten", "template_changed"]
+CutReason = Literal["history_rewritten", "template_changed", "stop_string"]
 
 
 class TurnSpan(BaseModel):

@@ -1,7 +1,7 @@
 """An in-process stand-in for a fleet of vLLM replicas, over httpx's MockTransport.
 
 It serves the routes the service uses to change and watch the policy (LoRA load/unload, pause,
-resume, is_paused, collective_rpc reload_weights, weight_checker, update_weight_version,
+resume, is_paused, collective_rpc reload_weights, reset_prefix_cache, weight_checker, update_weight_version,
 weight_info, /v1/models) and chat completions whose answer says which weights generated them.
 It exists for what a real vLLM cannot be made to do on demand: fail a reload half-way, refuse a
 resume, go down and come back restarted on its launch checkpoint between two probes. Its own
@@ -41,6 +41,7 @@ class Replica:
         self.resume_fail = 0  # how many /resume calls answer 500
         self.chat_delay = 0.0
         self.log: list[tuple[str, dict]] = []  # (path, body) of every call it answered
+        self.cache_resets = 0  # POST /reset_prefix_cache calls
         self._resumed = asyncio.Event()
         self._resumed.set()
 
@@ -93,6 +94,9 @@ class Replica:
                 return httpx.Response(500, json={"error": {"message": "out of memory"}})
             self.weights = target
             return httpx.Response(200, json={"results": []})
+        if path == "/reset_prefix_cache":
+            self.cache_resets += 1
+            return httpx.Response(200, json={"success": True})
         if path == "/weight_checker":
             return httpx.Response(200, json={"checksums": {"all": self.weights}})
         if path == "/update_weight_version":

@@ -75,6 +75,25 @@ def regenerate(vllm: str, model: str, turn: dict) -> list[int]:
     return answer.json()["choices"][0]["token_ids"]
 
 
+def assert_fresh_kv(vllm: str, turn: dict) -> None:
+    """The turn's logprobs are those of its prompt computed afresh on the weights served now."""
+    body = {
+        "model": MODEL,
+        "prompt": turn["prompt_token_ids"],
+        "max_tokens": len(turn["completion_token_ids"]),
+        "temperature": 0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "cache_salt": f"fresh-{turn['policy_version']}",
+    }
+    if turn["constrained"]:
+        body["structured_outputs"] = structured_output(turn["response_format"])
+    fresh = httpx.post(f"{vllm}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    assert fresh["token_ids"] == turn["completion_token_ids"]
+    gap = max(abs(a - b) for a, b in zip(fresh["logprobs"]["token_logprobs"], turn["logprobs"], strict=True))
+    assert gap < 0.02, f"the turn's logprobs are {gap:.3f} off a fresh computation: stale KV from other weights"
+
+
 def shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -256,6 +275,9 @@ def restore_weights(vllm_url):
         timeout=600,
     ).raise_for_status()
     httpx.post(f"{vllm_url}/update_weight_version", json={"new_version": "default"}, timeout=60).raise_for_status()
+    # KV cached under the test's weights must not serve the tests after it.
+    reset = httpx.post(f"{vllm_url}/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=60)
+    assert reset.json()["success"] is True
 
 
 def test_full_weights_from_disk_and_pushed_by_the_trainer(
@@ -282,6 +304,10 @@ def test_full_weights_from_disk_and_pushed_by_the_trainer(
     w1 = group(service, sampling=GREEDY)
     assert first_turn_ids(w1) != first_turn_ids(base)
     assert {t["policy_version"] for t in w1["attempts"][0]["turns"]} == {"w1"}
+    # w1's first prompt is the one the base group's turns cached: vLLM computes it again on w1 (its
+    # logprobs equal those of the same request with a cache salt, which shares no cached block).
+    turn = w1["attempts"][0]["turns"][0]
+    assert_fresh_kv(vllm_url, turn)
 
     # The same checkpoint again is refused (nothing would change); a bad path leaves w1 served.
     same = post_policy(service, version="w1-again", weights={"path": str(changed)})

@@ -44,16 +44,21 @@ _RUN: dict[str, tuple[list[dict], list[dict]]] = {}
 
 
 @pytest.fixture
-def exact_run(start_refenv, start_service) -> tuple[list[dict], list[dict]]:
+def exact_run(start_refenv, start_service, vllm_url) -> tuple[list[dict], list[dict]]:
     """Constrained groups on refenv with its responder stage (a rewritten history after each answer),
     and an unconstrained group, whose logprobs are the policy's own. Run once for the module (by the
     first test that asks; the processes are per test, the results are not)."""
     if "run" not in _RUN:
-        _RUN["run"] = _exact_run(start_refenv, start_service)
+        _RUN["run"] = _exact_run(start_refenv, start_service, vllm_url)
     return _RUN["run"]
 
 
-def _exact_run(start_refenv, start_service) -> tuple[list[dict], list[dict]]:
+def _exact_run(start_refenv, start_service, vllm_url: str) -> tuple[list[dict], list[dict]]:
+    # Earlier tests changed the weights this session's server serves (and put them back); once, here,
+    # its prefix cache held KV computed by other weights and logprobs were 0.2 nats off. The oracle
+    # below is about what the logprobs mean, so it starts from an empty cache.
+    reset = httpx.post(f"{vllm_url}/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=60)
+    assert reset.json()["success"] is True
     env = start_refenv("--pool", "6", "--responder")
     service = start_service([env.url])
     tasks = [t["task_id"] for t in httpx.get(f"{env.url}/tasks", timeout=10).json()["tasks"]]
@@ -159,6 +164,8 @@ def test_logprobs_without_a_constraint_agree_with_transformers(exact_run):
                     deltas.append(lp - own[position - 1].item())
     assert len(deltas) >= 30
     absolute = [abs(d) for d in deltas]
+    print("agreement:", len(deltas), "tokens; mean |d|", statistics.mean(absolute), "max", max(absolute))
+    print("largest:", sorted(absolute)[-10:])
     assert statistics.mean(absolute) < 0.05, statistics.mean(absolute)
     assert max(absolute) < 0.5, max(absolute)
     assert abs(statistics.mean(deltas)) < 0.02, statistics.mean(deltas)  # no systematic offset
@@ -169,17 +176,23 @@ def test_trainer_shapes(exact_run):
     """TRL's rollout_func shape (as GRPOTrainer 1.16 validates it: prompt_ids, completion_ids, logprobs,
     with env_mask aligned to completion_ids) and the padded batch."""
     attempts = [Attempt.model_validate(a) for a in attempts_of(exact_run[1])]
-    out = trl_rollout(attempts)
+    # An attempt the infrastructure failed before its first turn: TRL still needs its place in the group.
+    failed = Attempt(index=len(attempts), status="env_failure", tokens="exact")
+    out = trl_rollout([*attempts, failed], eos_token_id=2)
     assert {"prompt_ids", "completion_ids", "logprobs", "env_mask"} <= out.keys()
+    assert out["completion_ids"][-1] == [2] and out["env_mask"][-1] == [0] and out["advantage"][-1] is None
     for a, prompt, completion, lps, mask in zip(
-        attempts, out["prompt_ids"], out["completion_ids"], out["logprobs"], out["env_mask"], strict=True
+        attempts, out["prompt_ids"], out["completion_ids"], out["logprobs"], out["env_mask"], strict=False
     ):
+        if a.advantage is None:
+            assert mask == [0]
+            continue
         segment = a.trajectory[0]
         assert prompt + completion == segment.token_ids
         assert prompt == a.turns[0].prompt_token_ids
         assert len(lps) == len(mask) == len(completion)
         assert sum(mask) == sum(len(t.completion_token_ids) for t in a.turns if t.stage in POLICY_STAGES)
-    batch = token_batch(attempts, pad_token_id=0)
+    batch = token_batch([*attempts, failed], pad_token_id=0)
     rows = [s for a in attempts if a.advantage is not None for s in a.trajectory if any(s.loss_mask)]
     assert batch["input_ids"].shape[0] == len(rows)
     for row, segment in enumerate(rows):
@@ -189,17 +202,43 @@ def test_trainer_shapes(exact_run):
         assert batch["attention_mask"][row].sum() == n
 
 
-def test_chat_mode_has_no_trajectory(start_refenv, start_service):
-    env = start_refenv("--pool", "2")
+def test_chat_mode_has_no_trajectory_and_stop_strings_stay_exact(start_refenv, start_service):
+    """tokens: chat works as before. In exact mode a stop string ends the completion but stays in its
+    text, and ends the segment: vLLM's ids run to the end of the token the string ended in (here
+    `":` for the stop `"input"`), so the next turn starts a segment from the env's messages."""
+    from transformers import AutoTokenizer
+
+    env = start_refenv("--pool", "4")
     service = start_service([env.url])
     task = httpx.get(f"{env.url}/tasks", timeout=10).json()["tasks"][0]["task_id"]
-    [group] = run_groups(
+    sampling = {"max_tokens": 48, "seed": 3}
+    chat, stopped = run_groups(
         service.url,
-        [{"task_id": task, "n": 2, "tokens": "chat", "max_turns": 2, "sampling": {"max_tokens": 48, "seed": 3}}],
+        [
+            {"task_id": task, "n": 2, "tokens": "chat", "max_turns": 2, "sampling": sampling},
+            {"task_id": task, "n": 2, "max_turns": 2, "sampling": {**sampling, "stop": ['"input"']}},
+        ],
     )
-    for attempt in group["attempts"]:
+    for attempt in chat["attempts"]:
         assert attempt["tokens"] == "chat" and attempt["trajectory"] is None
         assert all(t["prompt_token_ids"] and t["segment"] is None for t in attempt["turns"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir())
+    cuts = 0
+    for attempt in stopped["attempts"]:
+        turns = attempt["turns"]
+        for turn, after in zip(turns, [*turns[1:], None], strict=True):
+            decoded = tokenizer.decode(turn["completion_token_ids"], skip_special_tokens=True)
+            rendered = tokenizer.apply_chat_template(turn["messages"], tokenize=False, add_generation_prompt=True)
+            assert tokenizer.decode(turn["prompt_token_ids"]) == rendered
+            if not turn["completion"].endswith('"input"'):
+                assert decoded == turn["completion"]
+                continue
+            assert decoded.startswith(turn["completion"])  # the last token may run past the stop string
+            if after is not None:
+                assert after["segment"] == turn["segment"] + 1
+                assert attempt["trajectory"][after["segment"]]["cut"] == "stop_string"
+                cuts += 1
+    assert cuts > 0, "no turn ended on the stop string and was followed by another"
 
 
 def test_a_server_without_token_prompts_gets_chat(start_refenv, start_service, start_scripted_model):
@@ -212,6 +251,6 @@ def test_a_server_without_token_prompts_gets_chat(start_refenv, start_service, s
     assert {a["tokens"] for a in group["attempts"]} == {"chat"}
     assert all(a["status"] == "scored" and a["trajectory"] is None for a in group["attempts"])
     [server] = httpx.get(f"{service.url}/health/detail", timeout=10).json()["models"]
-    assert server["token_prompts"].startswith("no: /tokenize answered 404")
+    assert server["token_prompts"].startswith("no: ") and "404" in server["token_prompts"], server
     refused = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 2, "tokens": "exact"}, timeout=30)
     assert refused.status_code == 422 and refused.json()["error"] == "token_prompts_unsupported", refused.text

@@ -319,6 +319,7 @@ class PolicyManager:
         assert version.path is not None
         await self.weights.set_version(url, f"{RELOADING}{version.label}")
         await self.weights.reload_weights(url, version.path)
+        await self.weights.reset_prefix_cache(url)
         await self.weights.set_version(url, version.label)
 
     async def _finish_push(self, version: PolicyVersion) -> list[_Outcome]:
@@ -328,7 +329,7 @@ class PolicyManager:
         outcomes = list(
             await asyncio.gather(
                 *(
-                    self._timed(e.url, self.weights.set_version(e.url, version.label))
+                    self._timed(e.url, self._label_pushed(e.url, version.label))
                     if e.url in held
                     else _failed_outcome(_Outcome(e.url, False, 0.0, "not paused with the others during the push"))
                     for e in self.client.endpoints
@@ -339,6 +340,10 @@ class PolicyManager:
             self.weights_epoch += 1
         await self._resume(list(held))
         return outcomes
+
+    async def _label_pushed(self, url: str, label: str) -> None:
+        await self.weights.reset_prefix_cache(url)  # its cached KV came from the weights before the push
+        await self.weights.set_version(url, label)
 
     async def _resume(self, urls: list[str]) -> None:
         """Resume the replicas this service paused, and let turns start again. One that does not

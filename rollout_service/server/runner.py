@@ -355,6 +355,10 @@ class GroupRunner:
         started = time.monotonic()
         try:
             supported = await renderer.supported(group_id)
+        except InferenceError:
+            if request.tokens == "exact":
+                raise
+            return None  # not known yet (the server did not answer the probe): this try goes as chat
         finally:
             clock.inference += time.monotonic() - started
         if supported:
@@ -528,7 +532,12 @@ class GroupRunner:
         self.metrics.inference_latency.observe(time.monotonic() - started)
         choice = result.choices[0]
         has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
-        if exact and (not has_ids or choice.logprobs is None or result.prompt_token_ids != prompt_ids):
+        if exact and (
+            not has_ids
+            or choice.logprobs is None
+            or len(choice.logprobs) != len(choice.completion_token_ids or ())
+            or result.prompt_token_ids != prompt_ids
+        ):
             raise BadInferenceResponse("a token-prompt completion without its ids and logprobs, or for another prompt")
         self.metrics.tokens.labels(kind="completion").inc(choice.completion_tokens)
         self.metrics.tokens.labels(kind="prompt").inc(result.prompt_tokens)
@@ -556,7 +565,7 @@ class GroupRunner:
         )
         if exact:
             assert trajectory is not None
-            trajectory.record(turn)
+            trajectory.record(turn, stopped_on_string=isinstance(choice.stop_reason, str))
         return turn
 
 

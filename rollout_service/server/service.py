@@ -216,10 +216,10 @@ class RolloutService:
                         "pass --model (or --support-model, or model= of --model-endpoint) "
                         "with one of those names"
                     )
-            if route.renderer is not None:
+            if route.renderer is not None and route is not self.support:  # support turns always go as chat
                 try:  # learn now whether it takes token prompts; a failure here is probed again later
-                    await route.renderer.supported()
-                except InferenceError:
+                    await asyncio.wait_for(route.renderer.supported(), 30)
+                except (InferenceError, TimeoutError):
                     pass
 
     # -- requests ---------------------------------------------------------------------------
@@ -376,7 +376,7 @@ class RolloutService:
                     "role": role,
                     "model": route.model,
                     "outstanding": endpoint.outstanding,
-                    "token_prompts": _token_prompts(route),
+                    "token_prompts": "no: support turns go as chat" if role == "support" else _token_prompts(route),
                 }
                 if endpoint.excluded:
                     state["out_of_routing"] = endpoint.excluded

@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from inference.client import ChatClient, InferenceRejected
+from inference.client import BadInferenceResponse, ChatClient, InferenceError, InferenceRejected
 
 from ..protocol import CutReason, Segment, Turn, TurnSpan
 
 # A tiny conversation whose render shows what the template puts after an assistant's content.
 _PROBE_USER = {"role": "user", "content": "a"}
 _PROBE_REPLY = "b"
+# Answers that say for good that the server cannot do it (no such route, a template it cannot
+# apply, not implemented); anything else (429, 401, 5xx, no answer) may pass and is asked again.
+_DEFINITIVE = (400, 404, 405, 422, 501)
 
 
 class TokenPromptsUnsupported(InferenceRejected):
@@ -59,14 +62,30 @@ class TemplateRenderer:
                 self.render([_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}], False, affinity),
                 self.client.tokenize(model=self.model, text=_PROBE_REPLY, affinity=affinity),
             )
-        except InferenceRejected as exc:  # 404 without /tokenize, 400 for a template it cannot apply
-            self.unsupported = f"/tokenize answered {exc.status}: {exc.detail}"
+            # The completions route must take the ids and give back ids and logprobs.
+            answer = await self.client.complete(
+                model=self.model, prompt_token_ids=prompt, sampling={"max_tokens": 1, "temperature": 0.0}
+            )
+        except InferenceError as exc:
+            if isinstance(exc, BadInferenceResponse) or exc.status in _DEFINITIVE:
+                self.unsupported = f"{exc.kind} {exc.status or ''}: {exc.detail}"
+                return
+            raise
+        choice = answer.choices[0]
+        if (
+            answer.prompt_token_ids != prompt
+            or not choice.completion_token_ids
+            or choice.logprobs is None
+            or len(choice.logprobs) != len(choice.completion_token_ids)
+        ):
+            self.unsupported = "its /v1/completions does not return the prompt's ids, the token ids and logprobs"
             return
         body = whole[len(prompt) :]
         if whole[: len(prompt)] != prompt or body[: len(reply)] != reply or len(body) == len(reply):
             self.unsupported = (
                 "the chat template does not render an assistant message as the generation prompt, the content "
-                "and end-of-turn tokens: this service cannot continue its conversations token by token"
+                "and end-of-turn tokens (e.g. a template that renders the last assistant message apart, as "
+                "Qwen3's thinking template does): this service cannot continue its conversations token by token"
             )
             return
         self.end_of_turn = body[len(reply) :]
@@ -88,10 +107,11 @@ class TrajectoryBuilder:
     # The conversation the open segment's tokens hold: the env's messages and the policy's own replies.
     _covered: list[dict] | None = None
     _stopped_on_end_of_turn: bool = False
+    _cut_next: tuple[CutReason, str] | None = None
 
     async def prompt(self, messages: list[dict]) -> list[int]:
-        cut: tuple[CutReason, str] | None = None
-        if self._covered is not None:
+        cut, self._cut_next = self._cut_next, None
+        if self._covered is not None and cut is None:
             cut = _rewritten(self._covered, messages)
             if cut is None:
                 delta = await self._continuation(messages)
@@ -135,8 +155,10 @@ class TrajectoryBuilder:
         bridge = end[1:] if self._stopped_on_end_of_turn else end
         return bridge + whole[len(base) :]
 
-    def record(self, turn: Turn) -> None:
-        """Append a policy turn's sampled ids (its prompt was the last `prompt()`)."""
+    def record(self, turn: Turn, stopped_on_string: bool = False) -> None:
+        """Append a policy turn's sampled ids (its prompt was the last `prompt()`). A turn ended by a stop
+        string ends its segment: vLLM's ids may run past the string's end inside a token, so they may
+        hold text the env never saw."""
         assert self._covered is not None and turn.completion_token_ids is not None
         segment = self.segments[-1]
         ids = turn.completion_token_ids
@@ -162,6 +184,8 @@ class TrajectoryBuilder:
         end = self.renderer.end_of_turn or []
         self._stopped_on_end_of_turn = bool(ids) and bool(end) and ids[-1] == end[0]
         self._covered = [*self._covered, {"role": "assistant", "content": turn.completion}]
+        if stopped_on_string:
+            self._cut_next = ("stop_string", f"turn {turn.index} ended on a stop string")
 
 
 def _rewritten(covered: list[dict], messages: list[dict]) -> tuple[CutReason, str] | None:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..protocol import Attempt, Segment
+from ..protocol import Attempt
 
 
 class NoTrajectory(ValueError):
@@ -29,33 +29,53 @@ def trainable(attempts: Iterable[Attempt]) -> list[Attempt]:
     return [a for a in attempts if a.advantage is not None]
 
 
-def _segments(attempt: Attempt) -> list[Segment]:
-    if attempt.trajectory is None:
-        raise NoTrajectory(
-            f"attempt {attempt.index} has no trajectory (tokens={attempt.tokens}): request tokens: exact from a "
-            "vLLM policy server"
-        )
-    return attempt.trajectory
-
-
-def trl_rollout(attempts: Iterable[Attempt]) -> dict[str, list]:
-    """TRL's rollout_func output for these attempts, in order, plus each one's `advantage` and `reward`
-    (extra fields TRL forwards to reward functions). Each attempt must be a single segment: TRL trains
-    one sequence per completion, and a rewritten history has no single sequence."""
-    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "reward": []}
+def _require_exact(attempts: list[Attempt]) -> list[Attempt]:
     for attempt in attempts:
-        segments = _segments(attempt)
-        if len(segments) != 1:
+        if attempt.tokens != "exact":
             raise NoTrajectory(
-                f"attempt {attempt.index} has {len(segments)} segments (the env rewrote its history): use "
-                "token_batch, which trains each segment as its own row"
+                f"attempt {attempt.index} ran with tokens={attempt.tokens}: it has no trajectory; request tokens: "
+                "exact from a vLLM policy server"
             )
-        segment = segments[0]
-        cut = segment.prompt_tokens
-        out["prompt_ids"].append(segment.token_ids[:cut])
-        out["completion_ids"].append(segment.token_ids[cut:])
-        out["logprobs"].append([lp if lp is not None else 0.0 for lp in segment.logprobs[cut:]])
-        out["env_mask"].append(segment.loss_mask[cut:])
+    return attempts
+
+
+def trl_rollout(attempts: Iterable[Attempt], *, eos_token_id: int) -> dict[str, list]:
+    """TRL's rollout_func output for these attempts: one entry per attempt, in order (TRL expects
+    `num_generations` completions per prompt), plus each one's `advantage` and `reward` (extra fields
+    TRL forwards to reward functions). An attempt without an advantage (the infrastructure failed it)
+    or without a sampled token gets a placeholder that trains nothing: `[eos_token_id]` with
+    `env_mask` 0. An attempt of several segments (its env rewrote its history) has no single
+    sequence: use `token_batch`, which trains each segment as its own row."""
+    out: dict[str, list] = {
+        "prompt_ids": [],
+        "completion_ids": [],
+        "logprobs": [],
+        "env_mask": [],
+        "advantage": [],
+        "reward": [],
+    }
+    for attempt in _require_exact(list(attempts)):
+        segments = attempt.trajectory or []
+        if len(segments) > 1:
+            raise NoTrajectory(
+                f"attempt {attempt.index} has {len(segments)} segments (cut: {segments[1].cut}): use token_batch, "
+                "which trains each segment as its own row"
+            )
+        segment = segments[0] if segments else None
+        cut = segment.prompt_tokens if segment is not None else 0
+        if attempt.advantage is None or segment is None or len(segment.token_ids) == cut:
+            prompt = segment.token_ids[:cut] if segment is not None else []
+            completion, logprobs, mask = [eos_token_id], [0.0], [0]
+        else:
+            prompt = segment.token_ids[:cut]
+            completion = segment.token_ids[cut:]
+            logprobs = [lp if lp is not None else 0.0 for lp in segment.logprobs[cut:]]
+            mask = segment.loss_mask[cut:]
+        out["prompt_ids"].append(prompt)
+        out["completion_ids"].append(completion)
+        out["logprobs"].append(logprobs)
+        out["env_mask"].append(mask)
+        out["advantage"].append(attempt.advantage)
         out["reward"].append(attempt.reward)
     return out
 
@@ -64,9 +84,10 @@ def token_batch(
     attempts: Iterable[Attempt], *, pad_token_id: int = 0, tensors: Literal["np", "pt"] = "np"
 ) -> dict[str, Any]:
     """One right-padded row per segment of every attempt with an advantage; segments without a
-    trainable token are left out. `old_logprobs` is 0 where `loss_mask` is 0; `advantages` is the
-    attempt's, per row."""
-    rows = [(a, s) for a in trainable(attempts) for s in _segments(a) if any(s.loss_mask)]
+    trainable token (and attempts that failed before their first turn) are left out. `old_logprobs`
+    is 0 where `loss_mask` is 0; `advantages` is the attempt's, per row. Token t's mask and logprob
+    belong to the logits at position t - 1."""
+    rows = [(a, s) for a in _require_exact(trainable(attempts)) for s in (a.trajectory or []) if any(s.loss_mask)]
     width = max((len(s.token_ids) for _, s in rows), default=0)
     input_ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
     attention = np.zeros((len(rows), width), dtype=np.int64)

@@ -1,0 +1,593 @@
+"""A reference trainer that learns through the rollout service, small enough for a 2-core CPU.
+
+Plain PyTorch + transformers + peft: a LoRA adapter on the embedded SmolLM2-135M-Instruct, trained
+in three stages, each through the service, with the policy measured on held-out task families
+(`refenv --split auto:0.8 --side eval`) before and after each stage:
+
+  1. distil: groups answered by a teacher (`--model-endpoint teacher=...`); SFT on the run log's
+     `rollout-service export` (passing attempts, executor turns);
+  2. rejection-sample: the tuned policy at T > 0; SFT on the best passing attempt of each group;
+  3. GRPO: groups (`constrained: false`, so the returned logprobs are the policy's own), a clipped
+     importance-ratio loss over each trajectory's `loss_mask`, the service's advantages; the adapter
+     is saved and sent with `POST /policy`, and the next step's groups come from it.
+
+With no larger model on this machine, the teacher is refenv's scripted oracle (`refenv teacher`),
+which answers each task the way its hidden oracle does. With a real teacher the same commands apply.
+
+    python examples/reference_trainer.py --out results/train            # starts the whole stack
+    python examples/reference_trainer.py --smoke --out /tmp/train-smoke  # the mechanics, in minutes
+
+Writes DIR/steps.jsonl (one JSON line per stage, step and measurement), DIR/summary.json, and
+DIR/progress.png (train reward and eval pass rate with 95% Wilson intervals, against step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inference import embedded_model
+from rollout_service.protocol import Attempt, GroupResult
+from rollout_service.server.config import ServiceConfig
+from rollout_service.tools.measure import run_measure
+from rollout_service.tools.stack import LocalStack, free_port
+from rollout_service.trainer import RolloutClient, token_batch
+from rollout_service.trainer.export import ExportOptions, export_sft
+
+MODEL = embedded_model.MODEL_NAME
+
+
+@dataclass
+class Settings:
+    out: Path
+    vllm: str | None = None
+    distil_groups: int = 44  # train tasks the teacher answers (each once)
+    distil_epochs: int = 2
+    rs_groups: int = 16
+    rs_n: int = 4
+    grpo_steps: int = 4
+    grpo_tasks: int = 6  # tasks per GRPO step
+    grpo_n: int = 4
+    eval_repeats: int = 2
+    eval_limit: int | None = None  # measure only the first N eval tasks (None: all)
+    eval_every: int = 2  # GRPO steps between measurements
+    lr: float = 2e-4
+    grpo_lr: float = 5e-5
+    clip: float = 0.2
+    max_tokens: int = 96
+    temperature: float = 1.0
+    seed: int = 7
+
+    @classmethod
+    def smoke(cls, out: Path, vllm: str | None) -> Settings:
+        return cls(
+            out=out,
+            vllm=vllm,
+            distil_groups=2,
+            distil_epochs=2,
+            rs_groups=2,
+            rs_n=2,
+            grpo_steps=1,
+            grpo_tasks=2,
+            grpo_n=2,
+            eval_repeats=1,
+            eval_limit=3,
+            eval_every=1,
+            max_tokens=48,
+        )
+
+
+@dataclass
+class RunLog:
+    """Every stage, step and measurement as one JSON line; the plot is drawn from it."""
+
+    path: Path
+    records: list[dict] = field(default_factory=list)
+
+    def write(self, kind: str, **fields: Any) -> dict:
+        record = {"kind": kind, "time": round(time.time(), 3), **fields}
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
+
+
+def say(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+# -- the stack ---------------------------------------------------------------------------------------
+
+
+class TrainStack(LocalStack):
+    """vLLM, refenv's train side, its eval side, the oracle teacher and the service (with a run log)."""
+
+    def __init__(self, out: Path, vllm: str | None) -> None:
+        self.teacher_port, self.eval_port = free_port(), free_port()
+        self.runs_dir = out / "runs"
+        super().__init__(
+            log_dir=out / "logs",
+            pool=8,
+            vllm_url=vllm,
+            refenv_args=["--split", "auto:0.8", "--side", "train"],
+            service_args=[
+                "--model-endpoint",
+                f"teacher=http://127.0.0.1:{self.teacher_port},token-ids=false,model=oracle-teacher",
+                "--runs-dir",
+                str(self.runs_dir),
+                "--run-id",
+                "train",
+                "--policy-stage",
+                "executor",
+            ],
+            say=say,
+        )
+
+    @property
+    def eval_url(self) -> str:
+        return f"http://127.0.0.1:{self.eval_port}"
+
+    def start(self) -> None:
+        self.vllm_port, self.refenv_port, self.service_port = free_port(), free_port(), free_port()
+        if self.vllm_url is None:
+            self.start_vllm()
+        teacher = self._spawn(
+            "teacher", [sys.executable, "-m", "refenv.cli", "teacher", "--listen", f"127.0.0.1:{self.teacher_port}"]
+        )
+        teacher.wait_http(f"http://127.0.0.1:{self.teacher_port}/v1/models", timeout_s=60)
+        evaluation = self._spawn(
+            "refenv-eval",
+            [
+                sys.executable,
+                "-m",
+                "refenv.cli",
+                "serve",
+                "--step",
+                "--pool",
+                "8",
+                "--split",
+                "auto:0.8",
+                "--side",
+                "eval",
+                "--listen",
+                f"127.0.0.1:{self.eval_port}",
+            ],
+        )
+        evaluation.wait_http(f"{self.eval_url}/health", timeout_s=60)
+        self.start_refenv()
+        self.start_service()
+
+
+# -- the model ---------------------------------------------------------------------------------------
+
+
+class Policy:
+    """The LoRA-adapted model the trainer updates, in float32 on the CPU."""
+
+    def __init__(self, settings: Settings) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(settings.seed)
+        folder = str(embedded_model.prepare())
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        config = LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            task_type="CAUSAL_LM",
+        )
+        self.model = get_peft_model(base, config)
+        self.settings = settings
+        self.torch = torch
+        self.trained_tokens = 0
+        self.train_seconds = 0.0
+
+    def token_logprobs(self, ids: Any) -> Any:
+        """log p(token t | tokens < t) for t >= 1, for one row of ids."""
+        logits = self.model(ids[None]).logits[0, :-1].float()
+        return self.torch.log_softmax(logits, dim=-1).gather(1, ids[1:, None])[:, 0]
+
+    def sft(self, records: list[dict], epochs: int, progress: str) -> list[float]:
+        """Cross-entropy on each record's assistant turn (its prompt as the chat template renders it);
+        the mean loss per epoch."""
+        from tqdm import tqdm
+
+        torch = self.torch
+        examples = []
+        for record in records:
+            messages = record["messages"]
+            prompt = self.tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+            whole = self.tokenizer.apply_chat_template(messages, tokenize=True)
+            prompt, whole = list(_ids(prompt)), list(_ids(whole))
+            if whole[: len(prompt)] == prompt and len(whole) > len(prompt):
+                examples.append((torch.tensor(whole), len(prompt)))
+        optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.settings.lr)
+        self.model.train()
+        losses = []
+        rng = random.Random(self.settings.seed)
+        started = time.monotonic()
+        for epoch in range(epochs):
+            rng.shuffle(examples)
+            total = 0.0
+            for ids, prompt_len in tqdm(examples, desc=f"{progress} epoch {epoch + 1}/{epochs}", leave=False):
+                logprobs = self.token_logprobs(ids)
+                loss = -logprobs[prompt_len - 1 :].mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                total += loss.item()
+                self.trained_tokens += len(ids)
+            losses.append(total / max(1, len(examples)))
+        self.train_seconds += time.monotonic() - started
+        self.model.eval()
+        return losses
+
+    def grpo_loss(self, batch: dict, row: int) -> tuple[Any, dict]:
+        """The clipped importance-ratio objective on one trajectory row (negated, as a loss), with the
+        service's logprobs as the behaviour policy and its advantage."""
+        torch = self.torch
+        n = int(batch["attention_mask"][row].sum())
+        ids = batch["input_ids"][row, :n]
+        mask = batch["loss_mask"][row, 1:n].float()
+        old = batch["old_logprobs"][row, 1:n]
+        new = self.token_logprobs(ids)
+        ratio = torch.exp(new - old)
+        advantage = float(batch["advantages"][row])
+        clipped = torch.clamp(ratio, 1 - self.settings.clip, 1 + self.settings.clip)
+        objective = torch.minimum(ratio * advantage, clipped * advantage)
+        loss = -(objective * mask).sum() / mask.sum().clamp(min=1)
+        masked = mask.bool()
+        return loss, {
+            "ratio_mean": ratio[masked].mean().item() if masked.any() else 1.0,
+            "tokens": int(mask.sum().item()),
+            "length": n,
+        }
+
+    def grpo_step(self, attempts: list[Attempt]) -> dict:
+        torch = self.torch
+        batch = token_batch(attempts, pad_token_id=self.tokenizer.pad_token_id or 0, tensors="pt")
+        rows = batch["input_ids"].shape[0]
+        if rows == 0:
+            return {"rows": 0, "loss": None}
+        optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.settings.grpo_lr)
+        self.model.train()
+        started = time.monotonic()
+        losses, ratios = [], []
+        for row in range(rows):
+            loss, info = self.grpo_loss(batch, row)
+            (loss / rows).backward()
+            losses.append(loss.item())
+            ratios.append(info["ratio_mean"])
+            self.trained_tokens += info["length"]
+        optimizer.step()
+        optimizer.zero_grad()
+        self.train_seconds += time.monotonic() - started
+        self.model.eval()
+        return {"rows": rows, "loss": statistics.mean(losses), "ratio_mean": statistics.mean(ratios)}
+
+    def agreement(self, attempts: list[Attempt]) -> dict:
+        """|Δ logprob| between the service's logprobs and these weights' own, over the sampled tokens
+        of the attempts' trajectories, split by whether the turn was grammar-constrained."""
+        torch = self.torch
+        deltas: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+        with torch.no_grad():
+            for attempt in attempts:
+                constrained = {t.index: t.constrained for t in attempt.turns}
+                for segment in attempt.trajectory or []:
+                    own = self.token_logprobs(torch.tensor(segment.token_ids))
+                    for span in segment.turns:
+                        key = "constrained" if constrained.get(span.turn) else "unconstrained"
+                        for position in range(span.start, span.end):
+                            returned = segment.logprobs[position]
+                            if returned is not None:
+                                deltas[key].append(returned - own[position - 1].item())
+        return {key: _distribution(values) for key, values in deltas.items() if values}
+
+    def save(self, folder: Path) -> str:
+        self.model.save_pretrained(str(folder))
+        return str(folder.resolve())
+
+
+def _ids(encoded: Any) -> list[int]:
+    """apply_chat_template's ids, whether it returns a list or a BatchEncoding."""
+    if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
+def _distribution(deltas: list[float]) -> dict:
+    absolute = sorted(abs(d) for d in deltas)
+
+    def pct(q: float) -> float:
+        return round(absolute[min(len(absolute) - 1, int(q * len(absolute)))], 4)
+
+    ratios = [math.exp(d) for d in deltas]  # π_service / π_trainer per token
+    return {
+        "tokens": len(deltas),
+        "mean_abs": round(statistics.mean(absolute), 4),
+        "mean_signed": round(statistics.mean(deltas), 4),
+        "p50_abs": pct(0.5),
+        "p99_abs": pct(0.99),
+        "max_abs": round(absolute[-1], 4),
+        "ratio_mean": round(statistics.mean(ratios), 4),
+        "ratio_p01_p99": [
+            round(sorted(ratios)[int(0.01 * len(ratios))], 4),
+            round(sorted(ratios)[int(0.99 * (len(ratios) - 1))], 4),
+        ],
+    }
+
+
+# -- the stages --------------------------------------------------------------------------------------
+
+
+class Run:
+    def __init__(self, settings: Settings, stack: TrainStack, client: RolloutClient) -> None:
+        self.settings, self.stack, self.client = settings, stack, client
+        self.log = RunLog(settings.out / "steps.jsonl")
+        self.policy = Policy(settings)
+        self.version = "base"
+        self.step = 0
+        tasks = client.tasks()
+        self.train_tasks = sorted(t["task_id"] for t in tasks)
+        self.generated_tokens = 0
+        self.generation_seconds = 0.0
+
+    def groups(self, requests: list[dict], desc: str) -> list[GroupResult]:
+        from tqdm import tqdm
+
+        started = time.monotonic()
+        results = []
+        with tqdm(total=len(requests), desc=desc, leave=False) as bar:
+            for item in self.client.groups(requests):
+                if item.group is not None:
+                    results.append(item.group)
+                bar.update(1)
+        self.generation_seconds += time.monotonic() - started
+        self.generated_tokens += sum(g.completion_tokens for g in results)
+        return results
+
+    def sampling(self, seed: int) -> dict:
+        return {"temperature": self.settings.temperature, "max_tokens": self.settings.max_tokens, "seed": seed}
+
+    def measure(self, stage: str) -> dict:
+        model = MODEL if self.version == "base" else f"{MODEL}@{self.version}"
+        config = ServiceConfig(env=[self.stack.eval_url], vllm=[self.stack.urls["vllm"]], model=model)
+        started = time.monotonic()
+        import asyncio
+
+        m = asyncio.run(
+            run_measure(
+                config,
+                repeats=self.settings.eval_repeats,
+                limit=self.settings.eval_limit,
+                temperature=self.settings.temperature,
+                max_tokens=self.settings.max_tokens,
+                model=None,
+                progress=lambda line: None,
+            )
+        )
+        record = self.log.write(
+            "eval",
+            stage=stage,
+            step=self.step,
+            version=self.version,
+            pass_rate=m["pass_rate"],
+            wilson95=m["wilson95"],
+            passes=m["passes"],
+            graded=m["graded"],
+            tasks=m["tasks"],
+            policy_failures=m["policy_failures"],
+            unscorable=m["unscorable"],
+            seconds=round(time.monotonic() - started, 1),
+        )
+        lo, hi = m["wilson95"]
+        say(f"[eval] {stage}: pass rate {m['pass_rate']:.3f} [{lo:.3f}, {hi:.3f}] ({m['passes']}/{m['graded']})")
+        return record
+
+    def push(self, label: str) -> None:
+        self.step += 1
+        self.version = f"{label}-{self.step}"
+        folder = self.policy.save(self.settings.out / "adapters" / self.version)
+        result = self.client.update_policy(self.version, lora=folder)
+        self.log.write("update", step=self.step, version=self.version, seconds=result.seconds)
+
+    def sft_stage(self, stage: str, run_log: Path, best_of_group: bool, epochs: int) -> None:
+        records_path = self.settings.out / f"sft-{stage}.jsonl"
+        report = export_sft(
+            run_log,
+            records_path,
+            ExportOptions(stage="executor", min_reward=0.7, best_of_group=best_of_group),
+        )
+        records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+        say(f"[{stage}] {'; '.join(report.lines())}")
+        started = time.monotonic()
+        losses = self.policy.sft(records, epochs, stage) if records else []
+        self.push(stage)
+        self.log.write(
+            "sft",
+            stage=stage,
+            step=self.step,
+            records=len(records),
+            losses=losses,
+            seconds=round(time.monotonic() - started, 1),
+        )
+
+    def distil(self) -> None:
+        tasks = self.train_tasks[: self.settings.distil_groups]
+        started = time.monotonic()
+        groups = self.groups(
+            [
+                {"task_id": t, "n": 1, "model": "teacher", "allow_greedy": True, "sampling": self.sampling(i)}
+                for i, t in enumerate(tasks)
+            ],
+            "distil: teacher groups",
+        )
+        self.log.write(
+            "groups",
+            stage="distil",
+            step=self.step,
+            **_reward_stats(groups),
+            seconds=round(time.monotonic() - started, 1),
+        )
+        self.sft_stage("distil", self._run_log(), best_of_group=False, epochs=self.settings.distil_epochs)
+
+    def rejection_sample(self) -> None:
+        tasks = self.train_tasks[: self.settings.rs_groups]
+        started = time.monotonic()
+        before = self._run_log().read_text().count("\n") if self._run_log().exists() else 0
+        groups = self.groups(
+            [{"task_id": t, "n": self.settings.rs_n, "sampling": self.sampling(100 + i)} for i, t in enumerate(tasks)],
+            "rejection sampling",
+        )
+        self.log.write(
+            "groups",
+            stage="rs",
+            step=self.step,
+            version=self.version,
+            **_reward_stats(groups),
+            seconds=round(time.monotonic() - started, 1),
+        )
+        # Only this stage's groups: the tail of the run log.
+        lines = self._run_log().read_text().splitlines()[before:]
+        rs_log = self.settings.out / "runs" / "rs-only.jsonl"
+        rs_log.write_text("\n".join(lines) + "\n")
+        self.sft_stage("rs", rs_log, best_of_group=True, epochs=1)
+
+    def grpo(self) -> None:
+        rng = random.Random(self.settings.seed)
+        for k in range(self.settings.grpo_steps):
+            tasks = rng.sample(self.train_tasks, min(self.settings.grpo_tasks, len(self.train_tasks)))
+            started = time.monotonic()
+            groups = self.groups(
+                [
+                    {
+                        "task_id": t,
+                        "n": self.settings.grpo_n,
+                        "constrained": False,
+                        "max_staleness": 0,
+                        "sampling": self.sampling(1000 * (k + 1) + i),
+                    }
+                    for i, t in enumerate(tasks)
+                ],
+                f"grpo step {k + 1}: groups",
+            )
+            generated = time.monotonic() - started
+            attempts = [a for g in groups for a in g.attempts]
+            if k == 0:
+                self.log.write("agreement", step=self.step, version=self.version, **self.policy.agreement(attempts))
+            info = self.policy.grpo_step(attempts)
+            self.push("grpo")
+            self.log.write(
+                "grpo", step=self.step, **info, **_reward_stats(groups), generation_seconds=round(generated, 1)
+            )
+            say(f"[grpo] step {k + 1}: mean reward {_reward_stats(groups)['mean_reward']}, loss {info['loss']}")
+            if (k + 1) % self.settings.eval_every == 0 or k + 1 == self.settings.grpo_steps:
+                self.measure(f"grpo {k + 1}")
+
+    def _run_log(self) -> Path:
+        return self.stack.runs_dir / "train.jsonl"
+
+
+def _reward_stats(groups: list[GroupResult]) -> dict:
+    rewards = [a.reward for g in groups for a in g.attempts if a.reward is not None]
+    graded = [a for g in groups for a in g.attempts if a.status in ("scored", "policy_failure")]
+    passes = sum(bool(a.pass_) for a in graded)
+    return {
+        "groups": len(groups),
+        "attempts": sum(len(g.attempts) for g in groups),
+        "mean_reward": round(statistics.mean(rewards), 4) if rewards else None,
+        "train_pass_rate": round(passes / len(graded), 4) if graded else None,
+        "with_gradient": sum(not g.all_equal for g in groups),
+    }
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [r for r in records if r["kind"] in ("groups", "grpo") and r.get("mean_reward") is not None]
+    ax.plot([r["step"] for r in train], [r["mean_reward"] for r in train], "o-", label="train mean reward")
+    evals = [r for r in records if r["kind"] == "eval" and r["pass_rate"] is not None]
+    if evals:
+        steps = [r["step"] for r in evals]
+        rates = [r["pass_rate"] for r in evals]
+        lows = [r["pass_rate"] - r["wilson95"][0] for r in evals]
+        highs = [r["wilson95"][1] - r["pass_rate"] for r in evals]
+        ax.errorbar(steps, rates, yerr=[lows, highs], fmt="s-", capsize=4, label="eval pass rate (95% Wilson)")
+    ax.set_xlabel("policy version (step)")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    ax.set_title("reference trainer: distil, rejection sampling, GRPO")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results/train"), help="where logs, adapters and the plot go")
+    parser.add_argument("--vllm", help="a running vLLM serving the embedded model with LoRA on (default: start one)")
+    parser.add_argument("--smoke", action="store_true", help="a few tiny steps: the mechanics, not the learning")
+    parser.add_argument("--grpo-steps", type=int, help="GRPO steps (default 4; 1 with --smoke)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = Settings.smoke(args.out, args.vllm) if args.smoke else Settings(out=args.out, vllm=args.vllm)
+    if args.grpo_steps is not None:
+        settings.grpo_steps = args.grpo_steps
+    (args.out / "steps.jsonl").unlink(missing_ok=True)
+    stack = TrainStack(args.out, args.vllm)
+    started = time.monotonic()
+    with stack, RolloutClient(stack.urls["service"], timeout_s=3600) as client:
+        run = Run(settings, stack, client)
+        stage_times: dict[str, float] = {}
+
+        def distil() -> None:
+            run.distil()
+            run.measure("distil")
+
+        def rejection_sample() -> None:
+            run.rejection_sample()
+            run.measure("rs")
+
+        for name, action in (
+            ("base", lambda: run.measure("base")),
+            ("distil", distil),
+            ("rs", rejection_sample),
+            ("grpo", run.grpo),
+        ):
+            t0 = time.monotonic()
+            say(f"== stage {name}")
+            action()
+            stage_times[name] = round(time.monotonic() - t0, 1)
+        summary = {
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(settings).items()},
+            "stage_seconds": stage_times,
+            "wall_seconds": round(time.monotonic() - started, 1),
+            "generation_tokens_per_s": round(run.generated_tokens / max(run.generation_seconds, 1e-9), 1),
+            "training_tokens_per_s": round(run.policy.trained_tokens / max(run.policy.train_seconds, 1e-9), 1),
+            "evals": [r for r in run.log.records if r["kind"] == "eval"],
+            "agreement": next((r for r in run.log.records if r["kind"] == "agreement"), None),
+        }
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot(run.log.records, args.out / "progress.png")
+    say(f"done: {args.out / 'summary.json'}, {args.out / 'progress.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
