@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import random
+import signal
 import statistics
 import sys
 import time
@@ -545,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a few tiny steps: the mechanics, not the learning")
     parser.add_argument("--grpo-steps", type=int, help="GRPO steps (default 4; 1 with --smoke)")
     args = parser.parse_args(argv)
+    # A SIGTERM ends the run like Ctrl-C does: through `with stack`, which stops every process it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.out.mkdir(parents=True, exist_ok=True)
     settings = Settings.smoke(args.out, args.vllm) if args.smoke else Settings(out=args.out, vllm=args.vllm)
     if args.grpo_steps is not None:
