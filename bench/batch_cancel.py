@@ -150,7 +150,8 @@ def main() -> int:
             return detail_client.get(f"{service_url}/health/detail").json()
 
         # 2. The trainer: one raw socket, a full batch.
-        group = {"task_id": "t001", "n": args.n, "sampling": {"temperature": 0.8, "max_tokens": 8}}
+        task = detail_client.get(f"{service_url}/tasks").json()["tasks"][0]["task_id"]  # any task it serves
+        group = {"task_id": task, "n": args.n, "sampling": {"temperature": 0.8, "max_tokens": 8}}
         body = json.dumps({"groups": [group] * args.groups}).encode()
         sock = socket.create_connection(("127.0.0.1", service_port))
         t_sent = time.monotonic()

@@ -36,7 +36,9 @@ from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT
 from rollout_service.tools.stack import LocalStack
 
 LOGS = Path("results/logs")
-TASKS = ["t005", "t019", "t020", "t006", "t001", "t009"]
+# The task mix, where the env serves these (a mix of one-turn and multi-turn tasks, the same from run
+# to run); otherwise whatever the service lists (GET /tasks).
+PREFERRED_TASKS = ["t005", "t019", "t020", "t006", "t001", "t009"]
 
 
 class Stack(LocalStack):
@@ -62,6 +64,13 @@ class Stack(LocalStack):
 
     def env_health(self) -> dict:
         return httpx.get(f"{self.env_url}/health", timeout=10).json()
+
+    def tasks(self, count: int) -> list[str]:
+        """`count` task ids cycling through the mix, from what the service serves."""
+        with RolloutClient(self.svc_url) as client:
+            served = {t["task_id"] for t in client.tasks()}
+        mix = [t for t in PREFERRED_TASKS if t in served] or sorted(served)
+        return [mix[i % len(mix)] for i in range(count)]
 
 
 def run_batch(url: str, groups: list[dict]) -> tuple[float, list[dict]]:
@@ -179,9 +188,9 @@ def naive_group(env_url: str, vllm: str, task: str, n: int, pool: int, max_token
 
 
 def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: int = 8, max_tokens: int = 32) -> dict:
-    tasks = [TASKS[i % len(TASKS)] for i in range(groups)]
     out = {"latency_ms": latency_ms, "groups": groups, "n": n, "pool": pool, "max_tokens": max_tokens}
     with Stack(vllm, pool=pool, latency_ms=latency_ms) as stack:
+        tasks = stack.tasks(groups)
 
         def timed(run) -> dict:
             """groups/s of `run` and the env pool's utilisation while it ran."""
@@ -218,12 +227,12 @@ def bench_scaling(vllm: str, sizes=(1, 4, 16, 64), n: int = 2, pool: int = 16, m
         for size in sizes:
             groups = [
                 {
-                    "task_id": TASKS[i % len(TASKS)],
+                    "task_id": task,
                     "n": n,
                     "max_turns": 4,
                     "sampling": {"temperature": 0.8, "max_tokens": max_tokens},
                 }
-                for i in range(size)
+                for task in stack.tasks(size)
             ]
             cpu_before, steps_before = proc.cpu_times(), stack.env_health()["steps"]
             wall, _ = run_batch(stack.svc_url, groups)
@@ -243,11 +252,11 @@ def bench_scaling(vllm: str, sizes=(1, 4, 16, 64), n: int = 2, pool: int = 16, m
 
 def bench_memory(vllm: str, attempts: int = 10_000) -> dict:
     per_group = 64
-    groups = [
-        {"task_id": "t005", "n": per_group, "sampling": {"temperature": 0.8, "max_tokens": 8}}
-        for _ in range(attempts // per_group + 1)
-    ]
     with Stack(vllm, pool=2, latency_ms=600_000) as stack:
+        groups = [
+            {"task_id": task, "n": per_group, "sampling": {"temperature": 0.8, "max_tokens": 8}}
+            for task in stack.tasks(attempts // per_group + 1)
+        ]
         proc = psutil.Process(stack.process("service").proc.pid)
         idle = proc.memory_info().rss
         stop = threading.Event()

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # End to end under Docker, with no image registry: build a stand-in base image from Debian's
 # packages, build the project's images, bring up the CPU variant (vLLM's CPU build + refenv +
-# the service), send a POST /groups through the service, check the group, take everything down.
+# the service), send a POST /groups through the service and check the group; then swap the env for
+# an image built like a foreign one (docker/foreign-env.Dockerfile: its own entrypoint, non-root,
+# no health-check tooling inside), recreate the service, and do it again; take everything down.
 #
 #   sudo docker/e2e.sh          (root: it may install docker.io and debootstrap, and start dockerd)
 #
-# Logs go to results/logs/; the group it got back to results/e2e-group.json.
+# Logs go to results/logs/; the groups it got back to results/e2e-group.json and e2e-group-foreign.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -57,21 +59,29 @@ trap cleanup EXIT
 
 say "building images (the vLLM CPU image is large: several minutes)"
 $COMPOSE build >"$LOGS/e2e-build.log" 2>&1 || { tail -30 "$LOGS/e2e-build.log"; exit 1; }
-say "docker compose up (vLLM prepares the model and compiles at first start: a few minutes)"
-$COMPOSE up -d >"$LOGS/e2e-up.log" 2>&1 || { tail -5 "$LOGS/e2e-up.log"; exit 1; }
-for i in $(seq 180); do
-  curl -fs http://127.0.0.1:8080/health >/dev/null 2>&1 && break
-  [ $((i % 6)) = 0 ] && say "waiting for the service ($((i * 5))s): $($COMPOSE ps 2>/dev/null | tail -n +3 | awk '{print $1": "$NF}' | tr '\n' ' ')"
-  sleep 5
-done
-curl -fs http://127.0.0.1:8080/health >/dev/null || { echo "e2e: the service never became healthy; see $LOGS/e2e-compose.log"; exit 1; }
+wait_for_service() {
+  for i in $(seq 180); do
+    curl -fs http://127.0.0.1:8080/health >/dev/null 2>&1 && return 0
+    for name in env service vllm; do  # a container that exited will not come back: say why now
+      if [ "$(docker inspect -f '{{.State.Status}}' "$($COMPOSE ps -q $name)" 2>/dev/null)" = exited ]; then
+        echo "e2e: the $name container exited; its log:"; $COMPOSE logs --no-color --tail 20 $name; return 1
+      fi
+    done
+    [ $((i % 6)) = 0 ] && say "waiting for the service ($((i * 5))s): $($COMPOSE ps 2>/dev/null | tail -n +3 | awk '{print $1": "$NF}' | tr '\n' ' ')"
+    sleep 5
+  done
+  echo "e2e: the service never became healthy; see $LOGS/e2e-compose.log"; return 1
+}
 
-say "POST /groups through the service"
-curl -fs http://127.0.0.1:8080/groups -H 'content-type: application/json' \
-  -d '{"task_id": "t019", "n": 4, "sampling": {"temperature": 0.8, "max_tokens": 48}}' >results/e2e-group.json
-python3 - <<'PY'
-import json
-g = json.load(open("results/e2e-group.json"))
+# A group through the service, checked; then the env holds no world.
+check_group() {
+  local out=$1 task=$2
+  say "POST /groups through the service ($task)"
+  curl -fs http://127.0.0.1:8080/groups -H 'content-type: application/json' \
+    -d "{\"task_id\": \"$task\", \"n\": 4, \"sampling\": {\"temperature\": 0.8, \"max_tokens\": 48}}" >"$out"
+  python3 - "$out" <<'PY'
+import json, sys
+g = json.load(open(sys.argv[1]))
 c = g["counts"]
 assert c["scheduled"] == 4 == c["scored"] + c["failed"], c
 turns = [t for a in g["attempts"] for t in a["turns"]]
@@ -84,5 +94,29 @@ assert c["scored"] >= 1, c
 print(f"e2e: group {g['group_id']} on {g['task_id']}: rewards {g['rewards']}, scored {c['scored']}/{c['scheduled']}, "
       f"model {g['model']}, env dataset {g['env']['catalog_hash']}")
 PY
-curl -fs http://127.0.0.1:8090/health | python3 -c "import json,sys; h=json.load(sys.stdin); assert h['leased']==0, h; print('e2e: env leased 0, max_leased', h['max_leased'])"
+  curl -fs http://127.0.0.1:8090/health | python3 -c "import json,sys; h=json.load(sys.stdin); assert h['leased']==0, h; print('e2e: env leased 0, max_leased', h['max_leased'])"
+}
+
+say "docker compose up (vLLM prepares the model and compiles at first start: a few minutes)"
+$COMPOSE up -d >"$LOGS/e2e-up.log" 2>&1 || { tail -5 "$LOGS/e2e-up.log"; exit 1; }
+wait_for_service
+check_group results/e2e-group.json t019
+
+# 2. The same stack with an env image built like a foreign one (GraphJin's): its own entrypoint, not
+# python; ENV_COMMAND as its arguments; a non-root user; no python, curl or wget inside for a health
+# check to call. The env and the service are recreated (vLLM keeps running): the service must find
+# the new env by itself.
+FOREIGN=stepenv-foreign:local
+say "building $FOREIGN (docker/foreign-env.Dockerfile)"
+docker build -q -f docker/foreign-env.Dockerfile -t "$FOREIGN" . >"$LOGS/e2e-foreign-build.log" 2>&1 || { tail -30 "$LOGS/e2e-foreign-build.log"; exit 1; }
+for tool in python3 python curl wget; do
+  if docker run --rm --entrypoint "$tool" "$FOREIGN" --version >/dev/null 2>&1; then echo "e2e: $FOREIGN has $tool inside"; exit 1; fi
+done
+[ "$(docker image inspect -f '{{.Config.User}}' "$FOREIGN")" != "" ] || { echo "e2e: $FOREIGN runs as root"; exit 1; }
+export ENV_IMAGE=$FOREIGN ENV_COMMAND="serve --step --pool 4 --listen 0.0.0.0:8090"
+say "recreating env ($ENV_IMAGE $ENV_COMMAND) and the service"
+$COMPOSE up -d --force-recreate --no-build env service >"$LOGS/e2e-up-foreign.log" 2>&1 || { tail -5 "$LOGS/e2e-up-foreign.log"; exit 1; }
+wait_for_service
+docker inspect -f '{{.Config.Entrypoint}} {{.Config.Cmd}} user={{.Config.User}}' "$($COMPOSE ps -q env)" | sed 's/^/e2e: env container runs /'
+check_group results/e2e-group-foreign.json "$(curl -fs http://127.0.0.1:8080/tasks | python3 -c 'import json,sys; print(json.load(sys.stdin)["tasks"][0]["task_id"])')"
 say "OK"

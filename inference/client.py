@@ -240,7 +240,11 @@ class ChatClient:
     async def list_models(self, endpoint: Endpoint) -> list[str]:
         response = await self._http.get(f"{endpoint.url}/v1/models", headers=self._headers(endpoint), timeout=10.0)
         response.raise_for_status()
-        return [m["id"] for m in response.json().get("data", [])]
+        body = response.json()
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise ValueError(f"GET /v1/models is not an OpenAI model list: {response.text[:200]!r}")
+        return [m["id"] for m in data]
 
     async def chat(
         self,

@@ -180,8 +180,8 @@ def start_scripted_model(launch):
     """start_scripted_model(script) -> Running: tests/scripted_model.py, a stand-in model server that
     answers badly on purpose (see its docstring); it serves the model name "scripted"."""
 
-    def start(script: str) -> Running:
-        port = free_port()
+    def start(script: str, port: int | None = None) -> Running:
+        port = port or free_port()
         cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", str(port), "--script", script]
         return launch("model", port, cmd, ready_path="/v1/models")
 

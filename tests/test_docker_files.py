@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 DOCKER = Path(__file__).resolve().parents[1] / "docker"
 
@@ -26,25 +27,69 @@ def _tool(name: str) -> str:
     return found
 
 
-@pytest.mark.parametrize("compose", ["compose.yaml", "compose.cpu.yaml"])
-def test_compose_files_validate(compose):
+def _config(*files: str, **env: str) -> dict:
+    """The compose file(s) as docker-compose resolves them with these variables set."""
     done = subprocess.run(
-        [_tool("docker-compose"), "-f", str(DOCKER / compose), "config"],
+        [_tool("docker-compose"), *(a for f in files for a in ("-f", str(DOCKER / f))), "config"],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=DOCKER,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("ENV_", "COMPOSE_"))} | env,
     )
     assert done.returncode == 0, done.stderr
-    config = done.stdout
-    assert "127.0.0.1:8080:8080" in config  # published to this machine only by default
-    assert "condition: service_healthy" in config
-    assert "${" not in config, "a variable the validator could not resolve (nested defaults are not portable)"
+    assert "${" not in done.stdout, "a variable the validator could not resolve (nested defaults are not portable)"
+    return yaml.safe_load(done.stdout)
+
+
+def _assert_env_needs_nothing_inside(config: dict) -> None:
+    """Nothing waits on a check that runs inside the env's image, and no build is tagged with its name."""
+    env = config["services"]["env"]
+    assert "build" not in env and "healthcheck" not in env, env
+    for name, service in config["services"].items():
+        depends_on = service.get("depends_on") or {}
+        conditions = [d.get("condition") for d in depends_on.values()] if isinstance(depends_on, dict) else []
+        assert "service_healthy" not in conditions, (name, depends_on)
+    built = {s["image"] for s in config["services"].values() if "build" in s}
+    assert env["image"] not in built or env["image"] == "rollout-service:local", built
+
+
+@pytest.mark.parametrize("compose", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_files_validate(compose):
+    config = _config(compose)
+    services = config["services"]
+    assert "127.0.0.1:8080:8080" in str(services["service"]["ports"])  # this machine only by default
+    # The default env is refenv in this repo's image, built once, by the service, under its own name.
+    env = services["env"]
+    assert env["image"] == "rollout-service:local" == services["service"]["image"]
+    assert "entrypoint" not in env and str(env["command"]).startswith("refenv serve --step")
+    assert services["service"]["command"][:2] == ["rollout-service", "serve"]
+    # The service waits for the env and model server itself, long enough for vLLM to load.
+    command = services["service"]["command"]
+    assert float(command[command.index("--startup-timeout") + 1]) >= 1800
+    _assert_env_needs_nothing_inside(config)
+
+
+@pytest.mark.parametrize("compose", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_runs_a_foreign_env_image_as_it_intends(compose):
+    """GraphJin's image: its own entrypoint (`graphjin`), ENV_COMMAND as its arguments, its project
+    mounted at /data, no health-check tooling inside."""
+    args = "env serve --path /data/project --suite eval/suite.yml --pool 16 --step --side train --listen 0.0.0.0:8090"
+    config = _config(compose, ENV_IMAGE="dosco/graphjin", ENV_COMMAND=args, ENV_DATA="/srv/graphjin-project")
+    env = config["services"]["env"]
+    assert env["image"] == "dosco/graphjin"
+    assert "entrypoint" not in env  # the image's own
+    assert env["command"] == args or env["command"] == args.split()
+    assert any(str(v).startswith("/srv/graphjin-project:/data") for v in env["volumes"]), env["volumes"]
+    _assert_env_needs_nothing_inside(config)
+    # Another entrypoint only when asked for, through the override file.
+    config = _config(compose, "compose.entrypoint.yaml", ENV_IMAGE="some/env", ENV_ENTRYPOINT="/opt/env/bin/serve")
+    assert config["services"]["env"]["entrypoint"] in ("/opt/env/bin/serve", ["/opt/env/bin/serve"])
 
 
 def test_dockerfiles_pass_hadolint():
     files = sorted(str(p) for p in DOCKER.glob("*Dockerfile"))
-    assert len(files) == 2
+    assert len(files) == 3  # the service/refenv image, vLLM's CPU image, the foreign-style env image
     done = subprocess.run([_tool("hadolint"), *files], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 

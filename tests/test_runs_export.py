@@ -350,6 +350,7 @@ def test_serve_takes_a_valid_run_id_past_the_check(tmp_path):
     done = cli(
         "serve", "--env", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9", "--model", "m",
         "--runs-dir", str(tmp_path / "runs"), "--run-id", "distil-1",
+        "--startup-timeout", "1", "--listen", f"127.0.0.1:{free_port()}",
     )  # fmt: skip
     assert done.returncode == 1 and "cannot start" in done.stderr and "--run-id" not in done.stderr, done.stderr
 

@@ -11,7 +11,8 @@ import pytest
 from helpers import assert_accounted, wait_until
 
 from inference import embedded_model
-from rollout_service.trainer import AsyncRolloutClient, RolloutClient, RolloutError
+from rollout_service.tools.stack import free_port
+from rollout_service.trainer import AsyncRolloutClient, RolloutClient, RolloutError, ServiceStarting
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 48}
 VARIANCE_TASKS = ("t001", "t005", "t009", "t002")
@@ -239,15 +240,60 @@ def test_startup_refuses_bad_configuration(start_refenv, start_service, vllm_url
     ok = start_refenv("--seed", "1")
     other = start_refenv("--seed", "2")
     for envs, flags, words in [
-        (["http://127.0.0.1:9"], [], "unreachable"),
+        # Waited for (it may be starting), then given up on, saying what it waited for.
+        (
+            ["http://127.0.0.1:9"],
+            ["--startup-timeout", "2"],
+            "still waiting after 2s (--startup-timeout) for env http://127.0.0.1:9",
+        ),
         ([ok.url, other.url], [], "not comparable"),
+        # At once, though the model server it would otherwise wait for does not answer.
+        ([ok.url, other.url], ["--vllm", "http://127.0.0.1:9"], "not comparable"),
         ([ok.url], ["--model", "no-such-model"], "no-such-model"),
+        (["127.0.0.1:9"], [], "not an http:// or https:// URL"),
     ]:
         proc = start_service(envs, *flags, wait=False).proc
         proc.proc.wait(60)
         assert proc.proc.returncode != 0
         log = proc.log_path.read_text()
         assert words in log and "Traceback" not in log, log
+
+
+def test_service_waits_for_an_env_and_a_model_server_that_start_after_it(
+    start_refenv, start_service, start_scripted_model
+):
+    """Pieces come up in any order (compose, Kubernetes, Ray): the service listens at once, says
+    `starting` (503) with what it waits for, and serves once both have answered. The model server
+    is the scripted stand-in: a real vLLM cannot be started late within a test's time."""
+    env_port, model_port = free_port(), free_port()
+    env_url, model_url = f"http://127.0.0.1:{env_port}", f"http://127.0.0.1:{model_port}"
+    service = start_service([env_url], "--startup-timeout", "120", vllm=model_url, model="scripted", wait=False)
+    client = RolloutClient(service.url)
+    assert wait_until(lambda: httpx.get(f"{service.url}/health").status_code == 503, timeout_s=60)
+    assert client.health() == {"status": "starting"}
+    with pytest.raises(ServiceStarting) as refused:
+        client.group(task_id="t001", n=2, sampling=SAMPLING)
+    assert refused.value.status == 503 and env_url in refused.value.message and model_url in refused.value.message
+    assert refused.value.retry_after_s == 5
+    waiting = " ".join(client.health_detail()["waiting_for"])
+    assert env_url in waiting and model_url in waiting, waiting
+
+    # It says so in its log, naming both (the first report comes after a few seconds).
+    log = service.proc.log_path
+    assert wait_until(lambda: f"waiting for env {env_url}" in log.read_text(), timeout_s=30)
+    assert f"model server {model_url}" in log.read_text()
+
+    env = start_refenv("--pool", "2", port=env_port)
+    # The env answered; the model server still does not: still starting, now waiting for it alone.
+    assert wait_until(lambda: env_url not in " ".join(client.health_detail()["waiting_for"]), timeout_s=30)
+    assert client.health() == {"status": "starting"}
+    assert model_url in " ".join(client.health_detail()["waiting_for"])
+
+    start_scripted_model("answer", port=model_port)
+    assert client.wait_ready(timeout_s=60)["status"] == "ok"
+    group = client.group(task_id="t001", n=2, sampling=SAMPLING)
+    assert group.counts.scheduled == 2 and group.counts.scored == 2, group.counts
+    assert env.health()["leased"] == 0
 
 
 def test_trainer_client_auth_metrics_and_support_routing(start_refenv, start_service):

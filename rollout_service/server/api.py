@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..protocol import BatchRequest, ErrorBody, GroupRequest, GroupResult, PolicyState, PolicyUpdate, PolicyUpdateResult
 from .errors import RequestRefused, shutting_down
@@ -26,6 +26,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 def _service(request: Request) -> RolloutService:
     return request.app.state.service
+
+
+def _ready(request: Request) -> RolloutService:
+    """The service, or 503 `starting` (with what it waits for) while its backends are not all up."""
+    service = _service(request)
+    service.refuse_unless_ready()
+    return service
 
 
 async def _disconnected(request: Request) -> None:
@@ -128,7 +135,7 @@ def _error_line(index: int, error: str, message: str) -> str:
 
 @router.get("/policy", response_model=PolicyState, summary="The policy version served, per replica, and recent updates")
 async def get_policy(request: Request) -> PolicyState:
-    return _service(request).versions.state()
+    return _ready(request).versions.state()
 
 
 @router.post(
@@ -142,7 +149,7 @@ async def get_policy(request: Request) -> PolicyState:
 )
 async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResult:
     # Not cancelled with its client: an update half-applied to the replicas must finish either way.
-    return await asyncio.shield(_service(request).versions.update(body))
+    return await asyncio.shield(_ready(request).versions.update(body))
 
 
 @router.post(
@@ -152,12 +159,16 @@ async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResul
     summary="Hold every policy replica paused while the trainer pushes weights itself; POST /policy resumes",
 )
 async def pause_policy(request: Request) -> PolicyState:
-    return await asyncio.shield(_service(request).versions.pause())
+    return await asyncio.shield(_ready(request).versions.pause())
 
 
-@router.get("/health", summary="Status only (ok, degraded, starting): cheap and public")
-async def health(request: Request) -> dict:
-    return {"status": _service(request).status()}
+@router.get(
+    "/health",
+    summary="Status only (ok, degraded, starting): cheap and public; 503 while starting, so readiness probes wait",
+)
+async def health(request: Request) -> Response:
+    status = _service(request).status()
+    return JSONResponse({"status": status}, status_code=503 if status == "starting" else 200)
 
 
 @router.get(
@@ -170,7 +181,7 @@ async def health_detail(request: Request) -> dict:
 
 @router.get("/tasks", summary="Tasks served by the envs")
 async def tasks(request: Request) -> dict:
-    listed = _service(request).task_list()
+    listed = _ready(request).task_list()
     return {"tasks": listed, "count": len(listed)}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .api import router
 from .config import ServiceConfig
-from .errors import RequestRefused
+from .errors import RequestRefused, StartupError
 from .middleware import BearerAuth, BodyLimit, error_response
 from .service import RolloutService
 
@@ -52,6 +53,19 @@ async def _bug(request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "internal_error", f"a bug in the service: {type(exc).__name__}: {exc}"[:500])
 
 
+def _started(app: FastAPI, start: asyncio.Future) -> None:
+    """Start-up gave up: keep why (the CLI prints it and exits 1) and stop the server."""
+    if start.cancelled() or start.exception() is None:
+        return
+    failure = start.exception()
+    app.state.startup_error = failure
+    if not isinstance(failure, StartupError):
+        log.error("start-up failed", exc_info=failure)
+    stop = getattr(app.state, "stop_server", None)
+    if stop is not None:
+        stop()
+
+
 def create_app(config: ServiceConfig, service: RolloutService | None = None) -> FastAPI:
     service = service or RolloutService(config)
 
@@ -61,10 +75,15 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         # For the server's signal handler: stop every group at once rather than wait for groups that
         # may run for minutes.
         app.state.cancel_running = lambda: loop.call_soon_threadsafe(service.cancel_running)
-        await service.start()
+        # Listen at once and wait for the backends meanwhile (/health says `starting`): pieces that
+        # come up in any order (compose, Kubernetes, Ray) need no readiness checks of their own.
+        starting = asyncio.ensure_future(service.start())
+        starting.add_done_callback(functools.partial(_started, app))
         try:
             yield
         finally:
+            starting.cancel()
+            await asyncio.wait([starting])
             await service.close()  # cancels running groups: their episodes are abandoned on the way out
 
     app = FastAPI(
@@ -74,6 +93,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         description="Reward groups for RL post-training, generated on vLLM against step-driven environments.",
     )
     app.state.service = service
+    app.state.startup_error = None
     app.include_router(router)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]

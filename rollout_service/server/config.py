@@ -17,6 +17,14 @@ from ..runs import valid_run_id
 ENV_PREFIX = "ROLLOUT_"
 
 
+def _http_url(url: str) -> str:
+    """`url` if it is http(s)://HOST...: anything else would be waited on at start, never answering."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
+    return url
+
+
 class EndpointSpec(BaseModel):
     """A named model endpoint: `NAME=URL[,api-key-env=VAR][,model=SERVED][,token-ids=false]`."""
 
@@ -35,7 +43,7 @@ class EndpointSpec(BaseModel):
         if not sep or not name or not rest:
             raise ValueError(f"{text!r}: expected NAME=URL[,api-key-env=VAR][,model=SERVED][,token-ids=false]")
         url, *options = rest.split(",")
-        fields: dict = {"name": name.strip(), "url": url.strip()}
+        fields: dict = {"name": name.strip(), "url": _http_url(url.strip())}
         for option in options:
             key, sep, value = option.partition("=")
             key = key.strip().replace("-", "_")
@@ -101,7 +109,10 @@ class ServiceConfig(BaseModel):
         600.0, gt=0, description="deadline of one replica's part of a policy update (loading, reloading)"
     )
     startup_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
-        30.0, gt=0, description="how long to wait for the envs' /health and /tasks at start"
+        300.0,
+        gt=0,
+        description="how long to wait at start for every env and model server to answer (asked again "
+        "with backoff; what is awaited is logged every 10 s, /health says starting meanwhile)",
     )
     model_endpoint: Annotated[list[EndpointSpec], Flag(metavar="NAME=URL[,OPTS]", separator=";")] = Field(
         default_factory=list,
@@ -145,7 +156,7 @@ class ServiceConfig(BaseModel):
     @field_validator("env", "vllm", "support_vllm")
     @classmethod
     def _no_duplicates(cls, value: list[str]) -> list[str]:
-        stripped = [u.rstrip("/") for u in value]
+        stripped = [_http_url(u).rstrip("/") for u in value]
         if len(set(stripped)) != len(stripped):
             raise ValueError("the same URL is given twice")
         return stripped

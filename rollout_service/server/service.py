@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from inference.client import ChatClient, InferenceError
+import httpx
+
+from inference.client import ChatClient, Endpoint, InferenceError
 from inference.weights import WeightsClient
 
 from ..protocol import EnvContract, GroupRequest
 from .config import ServiceConfig
-from .env_client import EnvClient, EnvError, EnvHealth, EnvTask
+from .env_client import EnvClient, EnvError, EnvHealth, EnvTask, EnvUnreachable
 from .errors import RequestRefused, StartupError, shutting_down
 from .health import BackendMonitor
 from .metrics import Metrics
@@ -25,6 +28,16 @@ from .policy import PolicyManager
 from .runlog import RunLog
 from .runner import EnvHandle, GroupRunner, ModelRoute, RunnerConfig, TaskTarget
 from .scheduler import EnvSlots, WorldScheduler
+
+log = logging.getLogger("rollout_service.service")
+
+
+T = TypeVar("T")
+_ASK_TIMEOUT_S = 10.0  # one start-up question to one backend
+
+
+class _NotYet(Exception):
+    """A backend that does not answer yet (or says it is not ready): ask it again."""
 
 
 @dataclass
@@ -73,39 +86,51 @@ class RolloutService:
         self._running: set[asyncio.Task] = set()
         self.closing = False
         self._cancellers: set[asyncio.Task] = set()
+        # Backends not answering yet at start (name -> why), for /health/detail and the start-up log.
+        self.waiting_for: dict[str, str] = {}
+        self.started_waiting_reported = False
 
     # -- start and stop ---------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Read every env's /health and /tasks and every model server's /v1/models, or refuse."""
+    async def start(self, say: Callable[[str], None] = log.warning) -> None:
+        """Wait for every env and model server to answer, then check that they fit together.
+
+        Pieces come up in any order (compose, Kubernetes, Ray): an env or model server that does not
+        answer yet, answers 5xx or says it is not ready is asked again with backoff, up to
+        --startup-timeout, and `say` is told every few seconds what is still awaited. What waiting
+        cannot fix (a wrong model name, an env that does not speak the step contract, datasets that
+        disagree) is refused at once."""
         clients = {url: EnvClient(url) for url in self.config.env}
+        self.waiting_for = {f"env {url}": "not asked yet" for url in clients}
+        for role, route in self.model_routes():
+            for endpoint in route.client.endpoints:
+                self.waiting_for[f"model server {endpoint.url} ({role})"] = "not asked yet"
+        reporter = asyncio.ensure_future(self._report_waiting(say))
         try:
-            discovered = await asyncio.wait_for(
-                asyncio.gather(*(self._discover(url, c) for url, c in clients.items())), self.config.startup_timeout
+            await asyncio.wait_for(
+                _all_or_none([self._check_models(), *(self._discover(url, c) for url, c in clients.items())]),
+                self.config.startup_timeout,
             )
-        except (TimeoutError, StartupError) as exc:
+        except BaseException as exc:
             for c in clients.values():
                 await c.aclose()
-            if isinstance(exc, StartupError):
-                raise
-            raise StartupError(
-                f"the envs did not answer /health and /tasks within {self.config.startup_timeout:g}s"
-            ) from None
-        slots = []
-        for found in discovered:
-            contract = EnvContract(
-                urls=[found.url],
-                catalog_hash=found.health.catalog_hash,
-                data_anchor=found.health.dataset.get("data_anchor"),
-                reward_version=found.health.reward_version,
-                reward_profile=found.health.reward_profile,
-                side=found.health.side,
-            )
-            slot = EnvSlots(found.url, found.health.pool)
-            slots.append(slot)
-            self.envs[found.url] = EnvHandle(found.url, clients[found.url], slot, contract)
-        self._index_tasks(discovered)
-        await self._check_models()
+            if isinstance(exc, TimeoutError):
+                raise StartupError(
+                    f"still waiting after {self.config.startup_timeout:g}s (--startup-timeout) for "
+                    + "; ".join(f"{name}: {why}" for name, why in self.waiting_for.items())
+                ) from None
+            raise
+        finally:
+            reporter.cancel()
+        if self.started_waiting_reported:
+            say(f"every env and model server answered after {time.time() - self.started_at:.0f}s")
+        # Found in the order they answered; kept in the order they were given.
+        order = {url: i for i, url in enumerate(self.config.env)}
+        self.envs = dict(sorted(self.envs.items(), key=lambda item: order[item[0]]))
+        for target in self.targets.values():
+            target.envs.sort(key=lambda env: order[env.url])
+        slots = [env.slots for env in self.envs.values()]
+        await self._probe_token_prompts()
         await self.versions.start()
         if self.run_log is not None:
             self.run_log.start()
@@ -120,6 +145,35 @@ class RolloutService:
         )
         self.monitor = BackendMonitor(list(self.envs.values()), self.model_routes(), self.versions)
         self.monitor.start()
+
+    async def _report_waiting(self, say: Callable[[str], None], every_s: float = 10.0) -> None:
+        """Say what is still awaited: first after a few seconds (a quick start says nothing), then
+        every `every_s`."""
+        await asyncio.sleep(3.0)
+        while self.waiting_for:
+            self.started_waiting_reported = True
+            waited = time.time() - self.started_at
+            awaited = "; ".join(f"{name}: {why}" for name, why in self.waiting_for.items())
+            say(f"waiting for {awaited} ({waited:.0f}s of {self.config.startup_timeout:g}s, --startup-timeout)")
+            await asyncio.sleep(every_s)
+
+    async def _until_ready(self, name: str, probe: Callable[[], Awaitable[T]]) -> T:
+        """Ask `probe` until it answers; `_NotYet` means ask again later (backoff 0.25 s to 5 s)."""
+        delay = 0.25
+        while True:
+            try:
+                # Bounded: a backend that takes the connection and never answers is asked again.
+                answer = await asyncio.wait_for(probe(), _ASK_TIMEOUT_S)
+            except TimeoutError:
+                self.waiting_for[name] = f"asked, no answer within {_ASK_TIMEOUT_S:g}s"
+                continue
+            except _NotYet as exc:
+                self.waiting_for[name] = str(exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            self.waiting_for.pop(name, None)
+            return answer
 
     def cancel_in_background(self, groups: dict[asyncio.Future, int]) -> None:
         """Cancel these groups (task -> its attempts) in slices, as a task of the service's own that
@@ -161,61 +215,97 @@ class RolloutService:
             routes.append(("support", self.support))
         return routes + [(f"named:{name}", route) for name, route in self.named.items()]
 
-    async def _discover(self, url: str, client: EnvClient) -> _Discovered:
-        try:
-            health, tasks = await asyncio.gather(client.health(), client.tasks())
-        except EnvError as exc:
-            raise StartupError(
-                f"env {url} is unreachable, unhealthy or does not speak the step contract: {exc}"
-            ) from None
-        if health.status != "ready":
-            raise StartupError(f"env {url} reports status {health.status!r}, not 'ready'")
-        drive_modes = health.capabilities.get("drive_modes")
+    async def _discover(self, url: str, client: EnvClient) -> None:
+        """Wait for the env at `url`, check it, and add it with its tasks (refusing at once an env
+        whose rewards are not comparable with an env found before it, whatever else is awaited)."""
+
+        async def ask() -> _Discovered:
+            try:
+                health, tasks = await asyncio.gather(client.health(), client.tasks())
+            except EnvError as exc:
+                if isinstance(exc, EnvUnreachable):
+                    raise _NotYet(f"unreachable ({exc.message or exc})") from None
+                if (exc.status or 0) >= 500:
+                    raise _NotYet(str(exc)) from None
+                raise StartupError(f"env {url} does not speak the step contract: {exc}") from None
+            if health.status != "ready":
+                raise _NotYet(f"status {health.status!r}, not 'ready'")
+            return _Discovered(url, health, tasks)
+
+        found = await self._until_ready(f"env {url}", ask)
+        drive_modes = found.health.capabilities.get("drive_modes")
         if drive_modes is not None and "step" not in drive_modes:
             raise StartupError(f"env {url} does not serve step mode (drive_modes={drive_modes}): start it with --step")
-        if not tasks:
+        if not found.tasks:
             raise StartupError(f"env {url} serves no task")
-        return _Discovered(url, health, tasks)
+        contract = EnvContract(
+            urls=[url],
+            catalog_hash=found.health.catalog_hash,
+            data_anchor=found.health.dataset.get("data_anchor"),
+            reward_version=found.health.reward_version,
+            reward_profile=found.health.reward_profile,
+            side=found.health.side,
+        )
+        self.envs[url] = EnvHandle(url, client, EnvSlots(url, found.health.pool), contract)
+        self._index_tasks(found)
 
-    def _index_tasks(self, discovered: list[_Discovered]) -> None:
-        for found in discovered:
-            env = self.envs[found.url]
-            for task in found.tasks:
-                target = self.targets.get(task.task_id)
-                self.task_info.setdefault(task.task_id, task)
-                if target is None:
-                    self.targets[task.task_id] = TaskTarget(task.task_id, task.slug, [env])
-                    if task.slug:
-                        self.by_slug[task.slug] = task.task_id
-                    continue
-                first = target.envs[0].contract
-                if (first.catalog_hash, first.reward_version) != (
-                    env.contract.catalog_hash,
-                    env.contract.reward_version,
-                ):
-                    raise StartupError(
-                        f"task {task.task_id} is served by {first.urls[0]} (dataset {first.catalog_hash}, "
-                        f"reward {first.reward_version}) and by {env.url} (dataset {env.contract.catalog_hash}, "
-                        f"reward {env.contract.reward_version}): their rewards are not comparable; serve one "
-                        "dataset and reward version per service"
-                    )
-                target.envs.append(env)
+    def _index_tasks(self, found: _Discovered) -> None:
+        env = self.envs[found.url]
+        for task in found.tasks:
+            target = self.targets.get(task.task_id)
+            self.task_info.setdefault(task.task_id, task)
+            if target is None:
+                self.targets[task.task_id] = TaskTarget(task.task_id, task.slug, [env])
+                if task.slug:
+                    self.by_slug[task.slug] = task.task_id
+                continue
+            first = target.envs[0].contract
+            if (first.catalog_hash, first.reward_version) != (env.contract.catalog_hash, env.contract.reward_version):
+                raise StartupError(
+                    f"task {task.task_id} is served by {first.urls[0]} (dataset {first.catalog_hash}, "
+                    f"reward {first.reward_version}) and by {env.url} (dataset {env.contract.catalog_hash}, "
+                    f"reward {env.contract.reward_version}): their rewards are not comparable; serve one "
+                    "dataset and reward version per service"
+                )
+            target.envs.append(env)
 
     async def _check_models(self) -> None:
-        for _, route in self.model_routes():
-            for endpoint in route.client.endpoints:
+        async def check(role: str, route: ModelRoute, endpoint: Endpoint) -> None:
+            async def ask() -> list[str]:
                 try:
-                    models = await route.client.list_models(endpoint)
-                except Exception as exc:  # any failure to read the list is "unreachable" at start
+                    return await route.client.list_models(endpoint)
+                except httpx.HTTPStatusError as exc:
+                    status = exc.response.status_code
+                    if status >= 500 or status in (408, 429):  # starting, overloaded, rate-limited
+                        raise _NotYet(f"GET /v1/models answered {status}") from None
+                    if status in (401, 403):
+                        raise StartupError(
+                            f"model server {endpoint.url} answers GET /v1/models with {status}: it wants an API "
+                            "key (api-key-env=VAR of --model-endpoint, with VAR set in the service's environment)"
+                        ) from None
                     raise StartupError(
-                        f"model server {endpoint.url} is unreachable: {type(exc).__name__}: {exc}"
+                        f"model server {endpoint.url} answers GET /v1/models with {status}: "
+                        "is it an OpenAI-compatible server?"
                     ) from None
-                if route.request_model not in models:
-                    raise StartupError(
-                        f"model server {endpoint.url} serves {models}, not {route.request_model!r}: "
-                        "pass --model (or --support-model, or model= of --model-endpoint) "
-                        "with one of those names"
-                    )
+                except httpx.TransportError as exc:
+                    raise _NotYet(f"unreachable ({type(exc).__name__}: {exc})") from None
+                except ValueError as exc:  # not JSON, or not the list's shape
+                    raise StartupError(f"model server {endpoint.url}: {exc}") from None
+
+            models = await self._until_ready(f"model server {endpoint.url} ({role})", ask)
+            if route.request_model not in models:
+                raise StartupError(
+                    f"model server {endpoint.url} serves {models}, not {route.request_model!r}: "
+                    "pass --model (or --support-model, or model= of --model-endpoint) "
+                    "with one of those names"
+                )
+
+        await _all_or_none(
+            [check(role, route, endpoint) for role, route in self.model_routes() for endpoint in route.client.endpoints]
+        )
+
+    async def _probe_token_prompts(self) -> None:
+        for _, route in self.model_routes():
             if route.renderer is not None and route is not self.support:  # support turns always go as chat
                 try:  # learn now whether it takes token prompts; a failure here is probed again later
                     await asyncio.wait_for(route.renderer.supported(), 30)
@@ -270,6 +360,7 @@ class RolloutService:
 
     def admit(self, requests: list[GroupRequest]) -> list[tuple[TaskTarget, ModelRoute]]:
         """Check every request before any work starts, and the cap on queued attempts."""
+        self.refuse_unless_ready()
         resolved = []
         for i, request in enumerate(requests):
             try:
@@ -278,8 +369,6 @@ class RolloutService:
                 if len(requests) > 1:
                     exc.message = f"groups[{i}]: {exc.message}"
                 raise
-        if self.closing:
-            raise shutting_down()
         attempts = sum(r.n for r in requests)
         if attempts > self.config.max_queued_attempts:
             raise RequestRefused(
@@ -354,8 +443,36 @@ class RolloutService:
         ok = ok and all(e.excluded is None for e in self.policy.client.endpoints) and not self.versions.paused
         return "ok" if ok else "degraded"
 
+    @property
+    def ready(self) -> bool:
+        return self.monitor is not None
+
+    def refuse_unless_ready(self) -> None:
+        if self.closing:
+            raise shutting_down()
+        if not self.ready:
+            raise RequestRefused(
+                503,
+                "starting",
+                f"the service is starting: {self.starting_summary()}",
+                headers={"Retry-After": "5"},
+            )
+
+    def starting_summary(self) -> str:
+        if not self.waiting_for:
+            return "every backend answered; finishing its start-up checks"
+        return "waiting for " + "; ".join(f"{name} ({why})" for name, why in self.waiting_for.items())
+
     def health_detail(self) -> dict:
-        assert self.scheduler is not None and self.monitor is not None
+        if self.scheduler is None or self.monitor is None:
+            return {
+                "status": self.status(),
+                "reasons": [self.starting_summary()],
+                "waiting_for": dict(self.waiting_for),
+                "startup_timeout_s": self.config.startup_timeout,
+                "run_id": self.run_id,
+                "uptime_s": round(time.time() - self.started_at, 1),
+            }
         envs = []
         for env in self.envs.values():
             state = {
@@ -414,6 +531,25 @@ class RolloutService:
             "models": models,
             "policy": self.versions.state().model_dump(),
         }
+
+
+async def _all_or_none(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Their results in order; at the first failure (or if cancelled) the others are cancelled,
+    waited for, and the failure raised: nothing keeps probing after start-up has given up."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return []
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+    for task in done:
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None:
+            raise failure
+    return [task.result() for task in tasks]
 
 
 async def cancel_in_slices(tasks: dict[asyncio.Future, int], attempts_per_slice: int = 256) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -39,17 +40,21 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rollout-service serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        # Check every env and model server before listening, so a misconfiguration reads as one line.
-        asyncio.run(_preflight(config))
-    except StartupError as exc:
-        print(f"rollout-service serve: cannot start: {exc}", file=sys.stderr)
-        return 1
+    # Start-up progress and the service's own warnings, on stderr with a time.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s [rollout-service] %(message)s", datefmt="%H:%M:%S")
     host, port = parse_listen(config.listen)
     server = _Server(
         uvicorn.Config(app, host=host, port=port, log_level=config.log_level, timeout_graceful_shutdown=20)
     )
+    # The service listens at once and waits for its envs and model servers (saying which, up to
+    # --startup-timeout); if it gives up, or finds a misconfiguration, the server stops here.
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)
     server.run()
+    failure = app.state.startup_error
+    if failure is not None:
+        why = str(failure) if isinstance(failure, StartupError) else f"{type(failure).__name__}: {failure}"
+        print(f"rollout-service serve: cannot start: {why}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
 
 
@@ -62,16 +67,6 @@ class _Server(uvicorn.Server):
         if cancel is not None and not self.should_exit:
             cancel()
         super().handle_exit(sig, frame)
-
-
-async def _preflight(config: ServiceConfig) -> None:
-    from ..server.service import RolloutService
-
-    service = RolloutService(config)
-    try:
-        await service.start()
-    finally:
-        await service.close()
 
 
 def _add_vllm(sub) -> None:
@@ -229,6 +224,13 @@ def _add_measure(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to wait for the env and model server to answer (default 60)",
+    )
 
 
 def _measure(args: argparse.Namespace) -> int:
@@ -242,7 +244,7 @@ def _measure(args: argparse.Namespace) -> int:
         return 2
     try:
         config = settings_from(
-            argparse.Namespace(env=args.env, vllm=args.vllm, model=args.model),
+            argparse.Namespace(env=args.env, vllm=args.vllm, model=args.model, startup_timeout=args.startup_timeout),
             ServiceConfig,
             ENV_PREFIX,
             max_n=max(64, args.repeats),
@@ -266,6 +268,9 @@ def _measure(args: argparse.Namespace) -> int:
     except (StartupError, ValueError) as exc:
         print(f"rollout-service measure: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("rollout-service measure: interrupted", file=sys.stderr)
+        return 130
     print(json.dumps(result, indent=1) if args.json else format_measurement(result))
     return 0
 

@@ -47,8 +47,8 @@ async def run_measure(
     progress=print,
 ) -> dict:
     service = RolloutService(config)
-    await service.start()
     try:
+        await service.start(say=progress)
         targets = list(service.targets.values())[: limit or None]
         if not targets:
             raise ValueError("the env serves no task")

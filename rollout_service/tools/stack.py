@@ -230,8 +230,15 @@ class LocalStack:
 
     def start_service(self) -> None:
         assert self.service_port is not None, "start() picks the ports"
+        # vLLM and refenv answer already: what does not answer within 30 s is a wrong --vllm URL.
         cmd = service_command(
-            self.service_port, [self.urls["env"]], self.urls["vllm"], *self.service_args, model=self.model
+            self.service_port,
+            [self.urls["env"]],
+            self.urls["vllm"],
+            "--startup-timeout",
+            "30",
+            *self.service_args,
+            model=self.model,
         )
         proc = self._spawn("service", cmd)
         proc.wait_http(f"{self.urls['service']}/health", timeout_s=60)

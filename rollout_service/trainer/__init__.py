@@ -14,6 +14,7 @@ from .client import (
     RolloutClient,
     RolloutError,
     ServiceBusy,
+    ServiceStarting,
     ServiceUnavailable,
 )
 from .trajectory import NoTrajectory, token_batch, trainable, trl_rollout
@@ -33,6 +34,7 @@ __all__ = [
     "RolloutError",
     "ServiceBusy",
     "Segment",
+    "ServiceStarting",
     "ServiceUnavailable",
     "Turn",
     "group_advantages",

@@ -11,7 +11,9 @@ parsed in one place; only the transport differs. Errors are a hierarchy under `R
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,7 @@ __all__ = [
     "RequestRejected",
     "ServiceBusy",
     "ServiceUnavailable",
+    "ServiceStarting",
     "GroupFailed",
 ]
 
@@ -54,6 +57,15 @@ class ServiceBusy(RolloutError):
 
 class ServiceUnavailable(RolloutError):
     """5xx: the service is shutting down or failed; send the request to a running service."""
+
+
+class ServiceStarting(ServiceUnavailable):
+    """503 `starting`: the service is still waiting for its envs or model servers (the message says
+    which); `wait_ready()` waits for it."""
+
+    def __init__(self, status: int | None, error: str, message: str, retry_after_s: float | None) -> None:
+        super().__init__(status, error, message)
+        self.retry_after_s = retry_after_s
 
 
 class GroupFailed(RolloutError):
@@ -107,11 +119,36 @@ class _BaseClient:
             error, message = str(data.get("error", "http_error")), str(data.get("message", response.text))
         except (ValueError, AttributeError):
             error, message = "http_error", response.text[:500]
+        retry = response.headers.get("retry-after")
+        retry_after_s = float(retry) if retry and retry.isdigit() else None
         if response.status_code == 429:
-            retry = response.headers.get("retry-after")
-            raise ServiceBusy(429, error, message, float(retry) if retry and retry.isdigit() else None)
+            raise ServiceBusy(429, error, message, retry_after_s)
+        if response.status_code == 503 and error == "starting":
+            raise ServiceStarting(503, error, message, retry_after_s)
         cls = ServiceUnavailable if response.status_code >= 500 else RequestRejected
         raise cls(response.status_code, error, message)
+
+    @staticmethod
+    def _health(response: httpx.Response) -> dict:
+        """/health's body: also on its 503 while the service starts, which is an answer, not an error."""
+        if response.status_code == 503:
+            try:
+                body = response.json()
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and body.get("status") == "starting":
+                return body
+        _BaseClient._raise_for(response)
+        return response.json()
+
+    def _ready_or_wait(self, answer: dict | Exception, started: float, timeout_s: float) -> bool:
+        """True once /health says the service serves; raises once `timeout_s` has passed."""
+        if isinstance(answer, dict) and answer.get("status") in ("ok", "degraded"):
+            return True
+        if time.monotonic() - started > timeout_s:
+            why = f"/health says {answer.get('status')!r}" if isinstance(answer, dict) else f"{answer}"
+            raise ServiceUnavailable(None, "not_ready", f"{self.url} was not ready within {timeout_s:g}s ({why})")
+        return False
 
     @staticmethod
     def _parse_line(line: str) -> BatchItem:
@@ -161,7 +198,22 @@ class RolloutClient(_BaseClient):
 
     def health(self) -> dict:
         """Status only: ok, degraded or starting."""
-        return self._get("/health")
+        return self._health(self._http.get("/health"))
+
+    def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> dict:
+        """Wait until the service serves (it may still be starting, or not listening yet, when a
+        trainer starts beside it); its /health. Raises ServiceUnavailable after `timeout_s`."""
+        started = time.monotonic()
+        while True:
+            answer: dict | Exception
+            try:
+                answer = self._health(self._http.get("/health", timeout=min(10.0, max(1.0, timeout_s))))
+            except (httpx.TransportError, ServiceUnavailable) as exc:
+                answer = exc
+            if self._ready_or_wait(answer, started, timeout_s):
+                assert isinstance(answer, dict)
+                return answer
+            time.sleep(poll_s)
 
     def health_detail(self) -> dict:
         """Each env and model server as last probed, the run log, the queues."""
@@ -225,7 +277,20 @@ class AsyncRolloutClient(_BaseClient):
         return (await self._get("/tasks"))["tasks"]
 
     async def health(self) -> dict:
-        return await self._get("/health")
+        return self._health(await self._http.get("/health"))
+
+    async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> dict:
+        started = time.monotonic()
+        while True:
+            answer: dict | Exception
+            try:
+                answer = self._health(await self._http.get("/health", timeout=min(10.0, max(1.0, timeout_s))))
+            except (httpx.TransportError, ServiceUnavailable) as exc:
+                answer = exc
+            if self._ready_or_wait(answer, started, timeout_s):
+                assert isinstance(answer, dict)
+                return answer
+            await asyncio.sleep(poll_s)
 
     async def health_detail(self) -> dict:
         return await self._get("/health/detail")
