@@ -259,6 +259,32 @@ def test_startup_refuses_bad_configuration(start_refenv, start_service, vllm_url
         assert words in log and "Traceback" not in log, log
 
 
+def test_an_embedded_app_whose_start_failed_says_failed_not_starting(start_refenv, vllm_url):
+    """create_app without the CLI, which would exit: after a refusal the app says why, not `starting`."""
+    from starlette.testclient import TestClient
+
+    from rollout_service.server.app import create_app
+    from rollout_service.server.config import ServiceConfig
+
+    env = start_refenv("--pool", "2")
+    app = create_app(ServiceConfig(env=[env.url], vllm=[vllm_url], model="no-such-model"))
+    with TestClient(app) as client:
+        assert wait_until(lambda: client.get("/health").json()["status"] != "starting", timeout_s=60)
+        health = client.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "failed"})
+        refused = client.get("/tasks")
+        assert refused.status_code == 503 and refused.json()["error"] == "start_failed", refused.text
+        assert "no-such-model" in refused.json()["message"]
+        assert "no-such-model" in " ".join(client.get("/health/detail").json()["reasons"])
+        # A trainer waiting for it is told at once, not after its whole timeout.
+        rollout = RolloutClient("http://testserver")
+        rollout._http = client  # TestClient is an httpx.Client over the in-process app
+        started = time.monotonic()
+        with pytest.raises(RolloutError, match="could not start"):
+            rollout.wait_ready(timeout_s=300)
+        assert time.monotonic() - started < 30
+
+
 def test_service_waits_for_an_env_and_a_model_server_that_start_after_it(
     start_refenv, start_service, start_scripted_model
 ):

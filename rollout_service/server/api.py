@@ -164,11 +164,11 @@ async def pause_policy(request: Request) -> PolicyState:
 
 @router.get(
     "/health",
-    summary="Status only (ok, degraded, starting): cheap and public; 503 while starting, so readiness probes wait",
+    summary="Status only (ok, degraded, starting, failed): cheap and public; 503 until started, so probes wait",
 )
 async def health(request: Request) -> Response:
     status = _service(request).status()
-    return JSONResponse({"status": status}, status_code=503 if status == "starting" else 200)
+    return JSONResponse({"status": status}, status_code=503 if status in ("starting", "failed") else 200)
 
 
 @router.get(

@@ -59,6 +59,7 @@ def _started(app: FastAPI, start: asyncio.Future) -> None:
         return
     failure = start.exception()
     app.state.startup_error = failure
+    app.state.service.startup_failure = str(failure) or type(failure).__name__
     if not isinstance(failure, StartupError):
         log.error("start-up failed", exc_info=failure)
     stop = getattr(app.state, "stop_server", None)

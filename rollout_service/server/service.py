@@ -88,6 +88,8 @@ class RolloutService:
         self._cancellers: set[asyncio.Task] = set()
         # Backends not answering yet at start (name -> why), for /health/detail and the start-up log.
         self.waiting_for: dict[str, str] = {}
+        # Why start() gave up, once it has: /health says `failed` rather than `starting` forever.
+        self.startup_failure: str | None = None
         self.started_waiting_reported = False
 
     # -- start and stop ---------------------------------------------------------------------
@@ -438,7 +440,7 @@ class RolloutService:
     def status(self) -> str:
         """ok, or degraded: from the last probes and the run log, without asking anyone now."""
         if self.monitor is None:
-            return "starting"
+            return "failed" if self.startup_failure else "starting"
         ok = self.monitor.all_ok() and (self.run_log is None or self.run_log.error is None)
         ok = ok and all(e.excluded is None for e in self.policy.client.endpoints) and not self.versions.paused
         return "ok" if ok else "degraded"
@@ -450,6 +452,9 @@ class RolloutService:
     def refuse_unless_ready(self) -> None:
         if self.closing:
             raise shutting_down()
+        if self.startup_failure:
+            # Embedded without the CLI (which exits on this), the app stays up: say why it cannot serve.
+            raise RequestRefused(503, "start_failed", f"the service could not start: {self.startup_failure}")
         if not self.ready:
             raise RequestRefused(
                 503,
@@ -459,6 +464,8 @@ class RolloutService:
             )
 
     def starting_summary(self) -> str:
+        if self.startup_failure:
+            return f"could not start: {self.startup_failure}"
         if not self.waiting_for:
             return "every backend answered; finishing its start-up checks"
         return "waiting for " + "; ".join(f"{name} ({why})" for name, why in self.waiting_for.items())

@@ -130,13 +130,13 @@ class _BaseClient:
 
     @staticmethod
     def _health(response: httpx.Response) -> dict:
-        """/health's body: also on its 503 while the service starts, which is an answer, not an error."""
+        """/health's body, also on its 503 while starting or after a failed start: an answer, not an error."""
         if response.status_code == 503:
             try:
                 body = response.json()
             except ValueError:
                 body = None
-            if isinstance(body, dict) and body.get("status") == "starting":
+            if isinstance(body, dict) and body.get("status") in ("starting", "failed"):
                 return body
         _BaseClient._raise_for(response)
         return response.json()
@@ -145,6 +145,10 @@ class _BaseClient:
         """True once /health says the service serves; raises once `timeout_s` has passed."""
         if isinstance(answer, dict) and answer.get("status") in ("ok", "degraded"):
             return True
+        if isinstance(answer, dict) and answer.get("status") == "failed":
+            raise ServiceUnavailable(
+                None, "start_failed", f"{self.url} could not start (GET /health/detail says why); waiting will not help"
+            )
         if time.monotonic() - started > timeout_s:
             why = f"/health says {answer.get('status')!r}" if isinstance(answer, dict) else f"{answer}"
             raise ServiceUnavailable(None, "not_ready", f"{self.url} was not ready within {timeout_s:g}s ({why})")
