@@ -141,7 +141,7 @@ def refenv_health(url: str) -> dict | None:
     never started) or it is not a refenv (no counters to check)."""
     try:
         health = httpx.get(f"{url}/health", timeout=5).json()
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError):  # InvalidURL: a test's deliberately bad --env
         return None
     if not isinstance(health, dict) or not {"episodes", "live_episodes", "max_waiting"} <= health.keys():
         return None

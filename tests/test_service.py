@@ -251,6 +251,7 @@ def test_startup_refuses_bad_configuration(start_refenv, start_service, vllm_url
         ([ok.url, other.url], ["--vllm", "http://127.0.0.1:9"], "not comparable"),
         ([ok.url], ["--model", "no-such-model"], "no-such-model"),
         (["127.0.0.1:9"], [], "not an http:// or https:// URL"),
+        (["http://127.0.0.1:abc"], [], "not a valid URL: Invalid port"),
     ]:
         proc = start_service(envs, *flags, wait=False).proc
         proc.proc.wait(60)

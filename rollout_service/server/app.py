@@ -58,6 +58,8 @@ def _started(app: FastAPI, start: asyncio.Future) -> None:
     if start.cancelled() or start.exception() is None:
         return
     failure = start.exception()
+    if app.state.service.closing:  # a stop was asked for while it waited: not a failed start
+        return
     app.state.startup_error = failure
     app.state.service.startup_failure = str(failure) or type(failure).__name__
     if not isinstance(failure, StartupError):

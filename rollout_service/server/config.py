@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Annotated
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..flags import Flag, ListenAddress
@@ -22,6 +23,12 @@ def _http_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
         raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
+    try:
+        port = httpx.URL(url).port
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ValueError(f"{url!r} is not a valid URL: {exc}") from None
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"{url!r} is not a valid URL: port {port} is out of range")
     return url
 
 

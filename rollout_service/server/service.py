@@ -33,7 +33,9 @@ log = logging.getLogger("rollout_service.service")
 
 
 T = TypeVar("T")
-_ASK_TIMEOUT_S = 10.0  # one start-up question to one backend
+# One start-up question to one backend: 10 s, doubled after each that times out (a slow /tasks of a
+# large catalog on a starved host still gets through), up to 60 s.
+_ASK_TIMEOUT_S, _ASK_TIMEOUT_MAX_S = 10.0, 60.0
 
 
 class _NotYet(Exception):
@@ -161,13 +163,14 @@ class RolloutService:
 
     async def _until_ready(self, name: str, probe: Callable[[], Awaitable[T]]) -> T:
         """Ask `probe` until it answers; `_NotYet` means ask again later (backoff 0.25 s to 5 s)."""
-        delay = 0.25
+        delay, bound = 0.25, _ASK_TIMEOUT_S
         while True:
             try:
                 # Bounded: a backend that takes the connection and never answers is asked again.
-                answer = await asyncio.wait_for(probe(), _ASK_TIMEOUT_S)
+                answer = await asyncio.wait_for(probe(), bound)
             except TimeoutError:
-                self.waiting_for[name] = f"asked, no answer within {_ASK_TIMEOUT_S:g}s"
+                self.waiting_for[name] = f"asked, no answer within {bound:g}s"
+                bound = min(bound * 2, _ASK_TIMEOUT_MAX_S)
                 continue
             except _NotYet as exc:
                 self.waiting_for[name] = str(exc)
@@ -223,15 +226,18 @@ class RolloutService:
 
         async def ask() -> _Discovered:
             try:
-                health, tasks = await asyncio.gather(client.health(), client.tasks())
+                # One question at a time: wait_for cancels the one in flight, so nothing is left
+                # asking a slow env behind the next try.
+                health = await client.health()
+                if health.status != "ready":
+                    raise _NotYet(f"status {health.status!r}, not 'ready'")
+                tasks = await client.tasks()
             except EnvError as exc:
                 if isinstance(exc, EnvUnreachable):
                     raise _NotYet(f"unreachable ({exc.message or exc})") from None
                 if (exc.status or 0) >= 500:
                     raise _NotYet(str(exc)) from None
                 raise StartupError(f"env {url} does not speak the step contract: {exc}") from None
-            if health.status != "ready":
-                raise _NotYet(f"status {health.status!r}, not 'ready'")
             return _Discovered(url, health, tasks)
 
         found = await self._until_ready(f"env {url}", ask)
@@ -294,7 +300,13 @@ class RolloutService:
                 except ValueError as exc:  # not JSON, or not the list's shape
                     raise StartupError(f"model server {endpoint.url}: {exc}") from None
 
-            models = await self._until_ready(f"model server {endpoint.url} ({role})", ask)
+            async def ask_until_listed() -> list[str]:
+                models = await ask()
+                if not models:  # a router in front of replicas that have not registered yet
+                    raise _NotYet("GET /v1/models lists no model yet")
+                return models
+
+            models = await self._until_ready(f"model server {endpoint.url} ({role})", ask_until_listed)
             if route.request_model not in models:
                 raise StartupError(
                     f"model server {endpoint.url} serves {models}, not {route.request_model!r}: "

@@ -81,6 +81,11 @@ class BatchItem:
     error: GroupFailed | None
 
 
+# What wait_ready() waits through: nothing listening yet, a 5xx or 429 (a proxy in front of a
+# service not up yet), an answer that is not JSON (a proxy's error page).
+_NOT_READY_YET = (httpx.TransportError, ServiceUnavailable, ServiceBusy, ValueError)
+
+
 class _BaseClient:
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
         self.url = url.rstrip("/")
@@ -140,6 +145,11 @@ class _BaseClient:
                 return body
         _BaseClient._raise_for(response)
         return response.json()
+
+    @staticmethod
+    def _ask_timeout(started: float, timeout_s: float) -> float:
+        """One /health question: at most 10 s, and not much past the caller's deadline."""
+        return min(10.0, max(1.0, timeout_s - (time.monotonic() - started)))
 
     def _ready_or_wait(self, answer: dict | Exception, started: float, timeout_s: float) -> bool:
         """True once /health says the service serves; raises once `timeout_s` has passed."""
@@ -206,13 +216,14 @@ class RolloutClient(_BaseClient):
 
     def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> dict:
         """Wait until the service serves (it may still be starting, or not listening yet, when a
-        trainer starts beside it); its /health. Raises ServiceUnavailable after `timeout_s`."""
+        trainer starts beside it); its /health. Raises ServiceUnavailable after `timeout_s`, or at once
+        when the service says its start failed (one run by the CLI exits instead: that is waited out)."""
         started = time.monotonic()
         while True:
             answer: dict | Exception
             try:
-                answer = self._health(self._http.get("/health", timeout=min(10.0, max(1.0, timeout_s))))
-            except (httpx.TransportError, ServiceUnavailable) as exc:
+                answer = self._health(self._http.get("/health", timeout=self._ask_timeout(started, timeout_s)))
+            except _NOT_READY_YET as exc:
                 answer = exc
             if self._ready_or_wait(answer, started, timeout_s):
                 assert isinstance(answer, dict)
@@ -288,8 +299,8 @@ class AsyncRolloutClient(_BaseClient):
         while True:
             answer: dict | Exception
             try:
-                answer = self._health(await self._http.get("/health", timeout=min(10.0, max(1.0, timeout_s))))
-            except (httpx.TransportError, ServiceUnavailable) as exc:
+                answer = self._health(await self._http.get("/health", timeout=self._ask_timeout(started, timeout_s)))
+            except _NOT_READY_YET as exc:
                 answer = exc
             if self._ready_or_wait(answer, started, timeout_s):
                 assert isinstance(answer, dict)
