@@ -442,12 +442,12 @@ class Run:
             **_reward_stats(groups),
             seconds=round(time.monotonic() - started, 1),
         )
-        self.sft_stage("distil", self._run_log(), best_of_group=False, epochs=self.settings.distil_epochs)
+        distilled = self._logged("distil", groups)
+        self.sft_stage("distil", distilled, best_of_group=False, epochs=self.settings.distil_epochs)
 
     def rejection_sample(self) -> None:
         tasks = self.train_tasks[: self.settings.rs_groups]
         started = time.monotonic()
-        before = self._run_log().read_text().count("\n") if self._run_log().exists() else 0
         groups = self.groups(
             [{"task_id": t, "n": self.settings.rs_n, "sampling": self.sampling(100 + i)} for i, t in enumerate(tasks)],
             "rejection sampling",
@@ -460,11 +460,7 @@ class Run:
             **_reward_stats(groups),
             seconds=round(time.monotonic() - started, 1),
         )
-        # Only this stage's groups: the tail of the run log.
-        lines = self._run_log().read_text().splitlines()[before:]
-        rs_log = self.settings.out / "runs" / "rs-only.jsonl"
-        rs_log.write_text("\n".join(lines) + "\n")
-        self.sft_stage("rs", rs_log, best_of_group=True, epochs=1)
+        self.sft_stage("rs", self._logged("rs", groups), best_of_group=True, epochs=1)
 
     def grpo(self) -> None:
         rng = random.Random(self.settings.seed)
@@ -497,8 +493,33 @@ class Run:
             if (k + 1) % self.settings.eval_every == 0 or k + 1 == self.settings.grpo_steps:
                 self.measure(f"grpo {k + 1}")
 
-    def _run_log(self) -> Path:
-        return self.stack.runs_dir / "train.jsonl"
+    def _logged(self, stage: str, groups: list[GroupResult], timeout_s: float = 60.0) -> Path:
+        """A run log of these groups alone (`runs/<stage>-only.jsonl`), taken from the service's run log
+        once all of them are in it: the service answers a group first and writes it to the disk after."""
+        wanted = {g.group_id for g in groups}
+        run_log = self.stack.runs_dir / "train.jsonl"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lines = {}
+            if run_log.exists():
+                for line in run_log.read_text(encoding="utf-8").splitlines():
+                    try:
+                        group_id = json.loads(line).get("group_id")
+                    except ValueError:  # the line being written
+                        continue
+                    if group_id in wanted:
+                        lines[group_id] = line
+            if len(lines) == len(wanted):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{len(wanted) - len(lines)} of {len(wanted)} {stage} groups are not in {run_log} after "
+                    f"{timeout_s:g}s: GET /health/detail shows the run log's state"
+                )
+            time.sleep(0.2)  # the service's writer is one disk write behind
+        path = self.stack.runs_dir / f"{stage}-only.jsonl"
+        path.write_text("".join(lines[g.group_id] + "\n" for g in groups), encoding="utf-8")
+        return path
 
 
 def _reward_stats(groups: list[GroupResult]) -> dict:

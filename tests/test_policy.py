@@ -8,6 +8,7 @@ serve here: vLLM reports them after the JSON grammar's mask, and `prompt_logprob
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import threading
@@ -309,9 +310,18 @@ def test_full_weights_from_disk_and_pushed_by_the_trainer(
     turn = w1["attempts"][0]["turns"][0]
     assert_fresh_kv(vllm_url, turn)
 
-    # The same checkpoint again is refused (nothing would change); a bad path leaves w1 served.
+    # The same checkpoint again is refused (nothing would change) where vLLM's checksums see every
+    # weight. Its CPU build repacks the linear layers on CPUs with its bf16 kernels (AVX-512 BF16, AMX),
+    # leaving empty tensors whose checksum is of zero bytes: there nobody can tell, so it is taken.
+    sums = httpx.post(f"{vllm_url}/weight_checker", json={"action": "checksum"}, timeout=60).json()["checksums"]
+    sees_every_weight = hashlib.sha256(b"").hexdigest() not in sums.values()
     same = post_policy(service, version="w1-again", weights={"path": str(changed)})
-    assert same.status_code in (422, 502) and "already served" in same.text, same.text
+    if sees_every_weight:
+        assert same.status_code in (422, 502) and "already served" in same.text, same.text
+    else:
+        assert same.status_code == 200, same.text
+        assert first_turn_ids(group(service, sampling=GREEDY)) == first_turn_ids(w1)  # the same weights
+    # A bad path leaves what was served served.
     # vLLM's in-place reload breaks a replica when it fails: the folder is checked before any pause.
     bad = post_policy(service, version="w-bad", weights={"path": str(tmp_path / "missing")})
     assert bad.status_code == 422 and bad.json()["error"] == "checkpoint_not_found", bad.text
@@ -319,7 +329,8 @@ def test_full_weights_from_disk_and_pushed_by_the_trainer(
     empty = post_policy(service, version="w-empty", weights={"path": str(tmp_path / "empty")})
     assert empty.status_code == 422 and empty.json()["error"] == "checkpoint_incomplete", empty.text
     state = policy(service)
-    assert state["version"] == "w1" and [r["routed"] for r in state["replicas"]] == [True], state
+    served = "w1" if sees_every_weight else "w1-again"
+    assert state["version"] == served and [r["routed"] for r in state["replicas"]] == [True], state
     assert first_turn_ids(group(service, sampling=GREEDY)) == first_turn_ids(w1)
 
     # Pushed by the trainer: the service holds the replicas paused; a turn waits; POST /policy resumes.

@@ -16,6 +16,7 @@ service can, brought it to the current version.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter, deque
@@ -365,10 +366,16 @@ class PolicyManager:
             return False  # no dev mode: nothing can have paused it
 
     async def _checksums(self, url: str) -> dict[str, str] | None:
+        """vLLM's weight checksums, or None where they cannot tell whether the weights changed: not
+        served, or some of zero bytes. vLLM's CPU build repacks the linear layers into its kernels' own
+        format on CPUs that have those kernels (seen on an AMD EPYC with AVX-512 BF16: 120 of 182
+        tensors), leaving empty `weight` tensors behind, so a checkpoint that differs only there would
+        look unchanged."""
         try:
-            return await self.weights.checksums(url)
+            sums = await self.weights.checksums(url)
         except WeightUpdateError:
             return None
+        return None if _EMPTY_DIGEST in sums.values() else sums
 
     async def _unload(self, name: str) -> None:
         for endpoint in self.client.endpoints:
@@ -521,6 +528,9 @@ class _Outcome:
     error: str | None = None
     refused: bool = False
     unchanged: bool = False  # it failed, but is known to serve what it served before
+
+
+_EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 
 
 class _Unchanged(WeightUpdateError):
