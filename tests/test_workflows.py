@@ -276,6 +276,11 @@ def test_demo_that_cannot_start_stops_what_it_started_and_says_why(tmp_path):
         _kill(pid for pid, cmdline in left.items() if f"--listen 127.0.0.1:{port}" in cmdline)
 
 
+_WITH_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 def test_demo_interrupted_stops_everything_it_started(vllm_url, tmp_path):
     """The README: Ctrl-C stops every process the demo started. SIGINT goes to the demo's process
     group (what a terminal's Ctrl-C does) while its groups run on the env: it exits 130, neither the
@@ -284,6 +289,10 @@ def test_demo_interrupted_stops_everything_it_started(vllm_url, tmp_path):
     cmd = [sys.executable, "-X", "faulthandler", "-m", "rollout_service.tools.cli", "demo", "--vllm", vllm_url,
            "--groups", "8", "--n", "4", "--pool", "4", "--max-tokens", "48",
            "--json", str(tmp_path / "demo.json")]  # fmt: skip
+    # As from a terminal: Ctrl-C's default action. A suite started in the background by a shell
+    # without job control (`cmd &` in a script) inherits SIGINT ignored, and Python then keeps
+    # ignoring it: the demo would rightly run on. Reset it, then exec the demo.
+    cmd = [sys.executable, "-c", _WITH_DEFAULT_SIGINT, *cmd]
     demo = subprocess.Popen(
         cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
