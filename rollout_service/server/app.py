@@ -60,9 +60,10 @@ def _started(app: FastAPI, start: asyncio.Future) -> None:
     failure = start.exception()
     if app.state.service.closing:  # a stop was asked for while it waited: not a failed start
         return
-    app.state.startup_error = failure
-    app.state.service.startup_failure = str(failure) or type(failure).__name__
-    if not isinstance(failure, StartupError):
+    if isinstance(failure, StartupError):
+        app.state.service.startup_failure = str(failure)
+    else:
+        app.state.service.startup_failure = f"{type(failure).__name__}: {failure}"
         log.error("start-up failed", exc_info=failure)
     stop = getattr(app.state, "stop_server", None)
     if stop is not None:
@@ -96,7 +97,6 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         description="Reward groups for RL post-training, generated on vLLM against step-driven environments.",
     )
     app.state.service = service
-    app.state.startup_error = None
     app.include_router(router)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]

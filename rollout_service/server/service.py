@@ -120,8 +120,7 @@ class RolloutService:
                 await c.aclose()
             if isinstance(exc, TimeoutError):
                 raise StartupError(
-                    f"still waiting after {self.config.startup_timeout:g}s (--startup-timeout) for "
-                    + "; ".join(f"{name}: {why}" for name, why in self.waiting_for.items())
+                    f"still waiting after {self.config.startup_timeout:g}s (--startup-timeout) for {self._awaited()}"
                 ) from None
             raise
         finally:
@@ -157,8 +156,7 @@ class RolloutService:
         while self.waiting_for:
             self.started_waiting_reported = True
             waited = time.time() - self.started_at
-            awaited = "; ".join(f"{name}: {why}" for name, why in self.waiting_for.items())
-            say(f"waiting for {awaited} ({waited:.0f}s of {self.config.startup_timeout:g}s, --startup-timeout)")
+            say(f"waiting for {self._awaited()} ({waited:.0f}s of {self.config.startup_timeout:g}s, --startup-timeout)")
             await asyncio.sleep(every_s)
 
     async def _until_ready(self, name: str, probe: Callable[[], Awaitable[T]]) -> T:
@@ -480,7 +478,11 @@ class RolloutService:
             return f"could not start: {self.startup_failure}"
         if not self.waiting_for:
             return "every backend answered; finishing its start-up checks"
-        return "waiting for " + "; ".join(f"{name} ({why})" for name, why in self.waiting_for.items())
+        return f"waiting for {self._awaited()}"
+
+    def _awaited(self) -> str:
+        """What start-up still waits for, and why: for its log, its timeout and /health/detail."""
+        return "; ".join(f"{name}: {why}" for name, why in self.waiting_for.items())
 
     def health_detail(self) -> dict:
         if self.scheduler is None or self.monitor is None:

@@ -32,7 +32,6 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..server.app import create_app
-    from ..server.errors import StartupError
 
     try:
         config = settings_from(args, ServiceConfig, ENV_PREFIX)
@@ -50,10 +49,9 @@ def _serve(args: argparse.Namespace) -> int:
     # --startup-timeout); if it gives up, or finds a misconfiguration, the server stops here.
     app.state.stop_server = lambda: setattr(server, "should_exit", True)
     server.run()
-    failure = app.state.startup_error
+    failure = app.state.service.startup_failure
     if failure is not None:
-        why = str(failure) if isinstance(failure, StartupError) else f"{type(failure).__name__}: {failure}"
-        print(f"rollout-service serve: cannot start: {why}", file=sys.stderr)
+        print(f"rollout-service serve: cannot start: {failure}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
 

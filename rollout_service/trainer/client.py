@@ -211,7 +211,7 @@ class RolloutClient(_BaseClient):
         return self._get("/tasks")["tasks"]
 
     def health(self) -> dict:
-        """Status only: ok, degraded or starting."""
+        """Status only: ok, degraded, starting or failed."""
         return self._health(self._http.get("/health"))
 
     def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> dict:
