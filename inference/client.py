@@ -17,9 +17,17 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import httpx
+from pydantic import StrictInt, TypeAdapter
+
+from .transport import AiohttpTransport, HttpAnswer, HttpTransport, HttpxTransport, TransportError, TransportTimeout
 
 MAX_DETAIL_CHARS = 500
 T = TypeVar("T")
+# Token ids and logprobs come by the thousand per answer: checked in pydantic-core, not element by
+# element in Python. Ids must be ints as sent (a float or a string is a server's bug); logprobs
+# may be any JSON number.
+_TOKEN_IDS = TypeAdapter(list[StrictInt])
+_LOGPROBS = TypeAdapter(list[float])
 
 
 class InferenceError(Exception):
@@ -169,13 +177,18 @@ class ChatClient:
         timeout_s: float = 300.0,
         max_requests_per_second: float | None = None,
         token_ids: bool = True,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        """`transport`: an httpx transport standing in for the servers (tests); otherwise aiohttp."""
         if not urls:
             raise ValueError("at least one model server URL is needed")
         self.endpoints = [Endpoint(_base(u), api_key) for u in urls]
         self.token_ids = token_ids
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
+        self._http: HttpTransport = (
+            HttpxTransport(httpx.AsyncClient(transport=transport, timeout=timeout_s))
+            if transport is not None
+            else AiohttpTransport(timeout_s)
+        )
         self._pins: dict[str, Endpoint] = {}
         self._deadline_s = timeout_s
         self._routable_again = asyncio.Event()
@@ -238,8 +251,17 @@ class ChatClient:
     # -- requests ------------------------------------------------------------------------------
 
     async def list_models(self, endpoint: Endpoint) -> list[str]:
-        response = await self._http.get(f"{endpoint.url}/v1/models", headers=self._headers(endpoint), timeout=10.0)
-        response.raise_for_status()
+        """The models a replica serves. Raises InferenceUnreachable (no answer), InferenceServerError
+        (5xx), InferenceRejected (4xx; its `status` says which) or ValueError (not a model list)."""
+        try:
+            response = await self._http.request(
+                "GET", f"{endpoint.url}/v1/models", headers=self._headers(endpoint), timeout=10.0
+            )
+        except TransportError as exc:
+            raise InferenceUnreachable(f"{endpoint.url}: {exc}") from None
+        if response.status >= 400:
+            cls = InferenceServerError if response.status >= 500 else InferenceRejected
+            raise cls(error_text(response), response.status)
         body = response.json()
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
@@ -322,9 +344,10 @@ class ChatClient:
                 tokens = response.json()["tokens"]
             except (ValueError, KeyError, TypeError) as exc:
                 raise BadInferenceResponse(f"unexpected /tokenize answer: {type(exc).__name__}: {exc}") from None
-            if not isinstance(tokens, list) or not all(isinstance(i, int) for i in tokens):
-                raise BadInferenceResponse("unexpected /tokenize answer: tokens is not a list of ints")
-            return tokens
+            try:
+                return _TOKEN_IDS.validate_python(tokens)
+            except ValueError:
+                raise BadInferenceResponse("unexpected /tokenize answer: tokens is not a list of ints") from None
 
         # Not reported to on_failure: a tokenizer answer says nothing about which weights a replica serves.
         return await self._with_failover(affinity, send, report=False)
@@ -369,32 +392,34 @@ class ChatClient:
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise BadInferenceResponse(f"unexpected completion shape: {type(exc).__name__}: {exc}") from None
 
-    async def _post(self, endpoint: Endpoint, path: str, body: dict[str, Any]) -> tuple[httpx.Response, float]:
+    async def _post(self, endpoint: Endpoint, path: str, body: dict[str, Any]) -> tuple[HttpAnswer, float]:
         """POST to one replica: a 2xx answer and its latency, or the InferenceError that says why not."""
         endpoint.outstanding += 1
         started = time.monotonic()
         try:
-            response = await self._http.post(f"{endpoint.url}{path}", json=body, headers=self._headers(endpoint))
-        except httpx.TimeoutException as exc:
+            response = await self._http.request(
+                "POST", f"{endpoint.url}{path}", json=body, headers=self._headers(endpoint)
+            )
+        except TransportTimeout as exc:
             endpoint.failures += 1
-            endpoint.last_error = f"timeout: {type(exc).__name__}"
+            endpoint.last_error = f"timeout: {exc}"
             raise InferenceTimeout(f"{endpoint.url}: no answer in time") from None
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             endpoint.failures += 1
             endpoint.last_error = f"unreachable: {exc}"
-            raise InferenceUnreachable(f"{endpoint.url}: {type(exc).__name__}: {exc}") from None
+            raise InferenceUnreachable(f"{endpoint.url}: {exc}") from None
         finally:
             endpoint.outstanding -= 1
         latency = time.monotonic() - started
-        if response.status_code >= 400:
+        if response.status >= 400:
             detail = error_text(response)
-            if response.status_code >= 500:
+            if response.status >= 500:
                 endpoint.failures += 1
-                endpoint.last_error = f"{response.status_code}: {detail}"
-                raise InferenceServerError(detail, response.status_code)
+                endpoint.last_error = f"{response.status}: {detail}"
+                raise InferenceServerError(detail, response.status)
             if _CONTEXT_OVERFLOW.search(detail):
-                raise ContextOverflow(detail, response.status_code)
-            raise InferenceRejected(detail, response.status_code)
+                raise ContextOverflow(detail, response.status)
+            raise InferenceRejected(detail, response.status)
         endpoint.failures, endpoint.last_error, endpoint.last_ok = 0, None, time.time()
         return response, latency
 
@@ -406,7 +431,7 @@ def _base(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
-def error_text(response: httpx.Response) -> str:
+def error_text(response: HttpAnswer | httpx.Response) -> str:
     try:
         data = response.json()
         if isinstance(data, dict):
@@ -432,10 +457,10 @@ def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
         if raw_lp.get("content") is not None:  # chat: one entry per token
             logprobs = [float(t["logprob"]) for t in raw_lp["content"]]
         elif raw_lp.get("token_logprobs") is not None:  # completions
-            logprobs = [float(lp) for lp in raw_lp["token_logprobs"]]
+            logprobs = _LOGPROBS.validate_python(raw_lp["token_logprobs"])
         ids = raw.get("token_ids")
         if ids is not None:
-            ids = [int(i) for i in ids]
+            ids = _TOKEN_IDS.validate_python(ids)
         text = raw["message"].get("content") if "message" in raw else raw["text"]
         text = text or ""
         if not isinstance(text, str):
@@ -455,7 +480,9 @@ def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
         )
     prompt_ids = data.get("prompt_token_ids")
     if prompt_ids is None and raw_choices[0].get("prompt_token_ids") is not None:  # completions: per choice
-        prompt_ids = [int(i) for i in raw_choices[0]["prompt_token_ids"]]
+        prompt_ids = raw_choices[0]["prompt_token_ids"]
+    if prompt_ids is not None:
+        prompt_ids = _TOKEN_IDS.validate_python(prompt_ids)
     return ChatResult(
         endpoint=endpoint,
         model=data.get("model", model),

@@ -162,10 +162,7 @@ class Fleet:
         return [r.paused for r in self.replicas.values()]
 
     async def chat_client(self) -> ChatClient:
-        chat = ChatClient(list(self.replicas), timeout_s=30.0, token_ids=False)
-        await chat._http.aclose()
-        chat._http = httpx.AsyncClient(transport=self.transport())
-        return chat
+        return ChatClient(list(self.replicas), timeout_s=30.0, token_ids=False, transport=self.transport())
 
     async def weights_client(self) -> WeightsClient:
         weights = WeightsClient()

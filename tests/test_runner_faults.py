@@ -53,9 +53,7 @@ def run_group(env: StandInEnv, completion: str = "{}", **request) -> tuple[dict,
     async def go():
         slots = EnvSlots(ENV, 1)
         scheduler = WorldScheduler([slots])
-        chat = ChatClient(["http://model"])
-        await chat._http.aclose()
-        chat._http = httpx.AsyncClient(transport=chat_answer(completion))
+        chat = ChatClient(["http://model"], transport=chat_answer(completion))
         client = EnvClient(ENV, transport=httpx.MockTransport(env))
         contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
         target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
@@ -113,3 +111,47 @@ def test_a_lone_surrogate_in_a_completion_does_not_void_the_group():
     assert "\ufffd" in attempt["turns"][0]["completion"] and "\ufffd" in attempt["turns"][0]["messages"][0]["content"]
     json.dumps(group).encode("utf-8")  # the whole group serialises
     assert slots.held == 0
+
+
+def test_finished_groups_are_not_retained_by_the_runner():
+    """Memory stays bounded over a long run only if nothing keeps a group once its result is handed
+    on: with the runner, scheduler, clients and metrics alive (as in the service), no attempt, turn
+    or group result may survive its group. The oracle is the garbage collector's own object list."""
+    import gc
+
+    from rollout_service.protocol import Attempt, GroupResult, Turn
+
+    obs = {"stage": "executor", "messages": [{"role": "user", "content": "q"}]}
+    env = StandInEnv(
+        reset={"episode_id": "step-9", "done": False, "observation": obs},
+        step={"episode_id": "step-9", "done": True, "reward": 1.0, "pass": True, "score": {}},
+    )
+
+    def alive() -> int:
+        gc.collect()
+        return sum(isinstance(o, Attempt | Turn | GroupResult) for o in gc.get_objects())
+
+    async def go() -> tuple[int, int]:
+        slots = EnvSlots(ENV, 4)
+        chat = ChatClient(["http://model"], transport=chat_answer("an answer"))
+        client = EnvClient(ENV, transport=httpx.MockTransport(env))
+        contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
+        target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
+        policy = ModelRoute("m", chat)
+        runner = GroupRunner(WorldScheduler([slots]), policy, None, Metrics())
+        try:
+            before = alive()
+            for _ in range(3):
+                result = await runner.run_group(GroupRequest(task_id="t001", n=4, retries=0), target, policy)
+                assert result.counts.scored == 4 and len(result.attempts[0].turns) == 1
+                del result
+            # The loop's handle that woke this task from the last gather holds that gather's result
+            # until another wakes it: asyncio's, not the runner's.
+            await asyncio.sleep(0)
+            return before, alive()
+        finally:
+            await client.aclose()
+            await chat.aclose()
+
+    before, after = asyncio.run(go())
+    assert after == before == 0

@@ -9,6 +9,14 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inference.client import clean_text
+from inference.transport import (
+    AiohttpTransport,
+    ConnectRefused,
+    HttpTransport,
+    HttpxTransport,
+    TransportError,
+    TransportTimeout,
+)
 
 # An error text from the env is data for the trainer: keep it, but bounded.
 MAX_DETAIL_CHARS = 500
@@ -177,9 +185,11 @@ class EnvClient:
         self, base_url: str, *, timeout_s: float = 330.0, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, transport=transport
+        # `transport`: an httpx transport standing in for the env (tests); otherwise aiohttp, the fast path.
+        self._http: HttpTransport = (
+            HttpxTransport(httpx.AsyncClient(transport=transport, timeout=timeout_s))
+            if transport is not None
+            else AiohttpTransport(timeout_s)
         )
 
     async def aclose(self) -> None:
@@ -227,33 +237,26 @@ class EnvClient:
         except EpisodeGone:
             pass
 
-    async def _call(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> dict:  # noqa: ASYNC109 - passed to httpx per request
-        kwargs: dict[str, Any] = {}
-        if json is not None:
-            kwargs["json"] = json
-        if timeout is not None:
-            kwargs["timeout"] = timeout
+    async def _call(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> dict:  # noqa: ASYNC109 - a per-request deadline
         try:
-            response = await self._http.request(method, path, **kwargs)
-        except httpx.TimeoutException as exc:
-            raise EnvUnreachable(None, "transport_timeout", f"{method} {path}: {type(exc).__name__}") from None
-        except httpx.ConnectError as exc:
-            raise EnvDown(None, "transport_error", f"{method} {path}: {type(exc).__name__}: {exc}") from None
-        except httpx.HTTPError as exc:
-            raise EnvUnreachable(None, "transport_error", f"{method} {path}: {type(exc).__name__}: {exc}") from None
+            response = await self._http.request(method, self.base_url + path, json=json, timeout=timeout)
+        except TransportTimeout as exc:
+            raise EnvUnreachable(None, "transport_timeout", f"{method} {path}: {exc}") from None
+        except ConnectRefused as exc:
+            raise EnvDown(None, "transport_error", f"{method} {path}: {exc}") from None
+        except TransportError as exc:
+            raise EnvUnreachable(None, "transport_error", f"{method} {path}: {exc}") from None
         try:
             data = response.json()
         except ValueError:
             data = None
-        if response.status_code >= 400:
+        if response.status >= 400:
             error = data.get("error", "http_error") if isinstance(data, dict) else "http_error"
             message = data.get("message", "") if isinstance(data, dict) else response.text
-            cls = _BY_STATUS.get(response.status_code, EpisodeFailed if response.status_code >= 500 else EnvRejected)
-            raise cls(response.status_code, str(error), str(message))
+            cls = _BY_STATUS.get(response.status, EpisodeFailed if response.status >= 500 else EnvRejected)
+            raise cls(response.status, str(error), str(message))
         if not isinstance(data, dict):
-            raise BadEnvAnswer(
-                response.status_code, "invalid_answer", f"{method} {path}: the answer is not a JSON object"
-            )
+            raise BadEnvAnswer(response.status, "invalid_answer", f"{method} {path}: the answer is not a JSON object")
         return data
 
 

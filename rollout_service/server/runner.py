@@ -541,6 +541,9 @@ class GroupRunner:
             raise BadInferenceResponse("a token-prompt completion without its ids and logprobs, or for another prompt")
         self.metrics.tokens.labels(kind="completion").inc(choice.completion_tokens)
         self.metrics.tokens.labels(kind="prompt").inc(result.prompt_tokens)
+        # An exact turn's prompt ids are the ones sent (checked equal above): that list shares its int
+        # objects with the trajectory, where the server's echo would be thousands of new ones per turn.
+        prompt_token_ids = prompt_ids if exact else result.prompt_token_ids
         turn = Turn(
             index=turn_index,
             stage=observation.stage,
@@ -550,7 +553,7 @@ class GroupRunner:
             messages=observation.messages,
             response_format=observation.response_format,
             completion=choice.text,
-            prompt_token_ids=result.prompt_token_ids if has_ids else None,
+            prompt_token_ids=prompt_token_ids if has_ids else None,
             completion_token_ids=choice.completion_token_ids if has_ids else None,
             logprobs=choice.logprobs if has_ids else None,
             token_source="server" if has_ids else "absent",

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
-
-from inference.client import ChatClient, Endpoint, InferenceError
+from inference.client import ChatClient, Endpoint, InferenceError, InferenceUnreachable
 from inference.weights import WeightsClient
 
 from ..protocol import EnvContract, GroupRequest
@@ -280,8 +278,10 @@ class RolloutService:
             async def ask() -> list[str]:
                 try:
                     return await route.client.list_models(endpoint)
-                except httpx.HTTPStatusError as exc:
-                    status = exc.response.status_code
+                except InferenceUnreachable as exc:
+                    raise _NotYet(f"unreachable ({exc.detail})") from None
+                except InferenceError as exc:
+                    status = exc.status or 0
                     if status >= 500 or status in (408, 429):  # starting, overloaded, rate-limited
                         raise _NotYet(f"GET /v1/models answered {status}") from None
                     if status in (401, 403):
@@ -293,8 +293,6 @@ class RolloutService:
                         f"model server {endpoint.url} answers GET /v1/models with {status}: "
                         "is it an OpenAI-compatible server?"
                     ) from None
-                except httpx.TransportError as exc:
-                    raise _NotYet(f"unreachable ({type(exc).__name__}: {exc})") from None
                 except ValueError as exc:  # not JSON, or not the list's shape
                     raise StartupError(f"model server {endpoint.url}: {exc}") from None
 

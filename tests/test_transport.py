@@ -1,0 +1,109 @@
+"""The hot path's HTTP transport (inference/transport.py) against real sockets, and a smoke run of the
+ceiling benchmark so that it does not rot (its numbers are measured by hand: README, Benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from inference.client import ChatClient, InferenceTimeout, InferenceUnreachable
+from inference.transport import AiohttpTransport, ConnectRefused, TransportTimeout, dumps, loads
+from rollout_service.server.env_client import EnvClient, EnvDown, EnvUnreachable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_json_with_a_lone_surrogate_goes_both_ways_as_the_standard_library_would():
+    # orjson refuses lone surrogates both ways; the standard library takes them (escaped): so must we.
+    body = json.dumps({"text": "a \ud83d b"}).encode()
+    assert loads(body) == json.loads(body)
+    assert json.loads(dumps({"text": "a \ud83d b"})) == {"text": "a \ud83d b"}
+    with pytest.raises(ValueError):
+        loads(b"not json")
+
+
+def test_nothing_listening_is_a_refused_connection_env_down_and_inference_unreachable():
+    async def go():
+        port = _closed_port()
+        transport = AiohttpTransport(timeout_s=5.0)
+        try:
+            with pytest.raises(ConnectRefused):
+                await transport.request("GET", f"http://127.0.0.1:{port}/health")
+        finally:
+            await transport.aclose()
+        env = EnvClient(f"http://127.0.0.1:{port}", timeout_s=5.0)
+        try:
+            with pytest.raises(EnvDown):  # its episodes went with the process: nothing to abandon
+                await env.step("e1", "x", 1, 1)
+        finally:
+            await env.aclose()
+        chat = ChatClient([f"http://127.0.0.1:{port}"], timeout_s=5.0)
+        try:
+            with pytest.raises(InferenceUnreachable):
+                await chat.complete(model="m", prompt_token_ids=[1], sampling={})
+        finally:
+            await chat.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_server_that_never_answers_times_out_as_no_answer():
+    async def go():
+        accepted = asyncio.Event()
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.set()
+            await reader.read()  # reads the request, answers nothing, until the client hangs up
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            transport = AiohttpTransport(timeout_s=0.5)
+            try:
+                with pytest.raises(TransportTimeout):
+                    await transport.request("POST", f"{url}/step", json={"a": 1})
+                assert accepted.is_set()
+            finally:
+                await transport.aclose()
+            env = EnvClient(url, timeout_s=0.5)
+            try:
+                with pytest.raises(EnvUnreachable) as caught:
+                    await env.reset("t1")
+                assert not isinstance(caught.value, EnvDown)  # a live env may hold the episode: abandon it
+            finally:
+                await env.aclose()
+            chat = ChatClient([url], timeout_s=0.5)
+            try:
+                with pytest.raises(InferenceTimeout):
+                    await chat.complete(model="m", prompt_token_ids=[1], sampling={})
+            finally:
+                await chat.aclose()
+
+    asyncio.run(go())
+
+
+def test_the_ceiling_benchmark_runs_and_keeps_the_pool_full_but_never_over(tmp_path):
+    """A few seconds of bench/ceiling.py with small turns: it must start its stand-ins and the service,
+    drive them, and report; the env's own count of episodes open at once is the oracle for the pool."""
+    out = tmp_path / "ceiling.json"
+    subprocess.run(
+        [sys.executable, "bench/ceiling.py", "--in-flight", "16", "--completion-tokens", "16", "--prompt-tokens",
+         "200", "--seconds", "3", "--warmup", "2", "--out", str(out)],
+        cwd=ROOT, check=True, timeout=240,
+    )  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["turns_per_s"] > 0 and row["groups_per_s"] > 0
+    assert row["max_open"] == row["pool"] == 16
