@@ -1,12 +1,16 @@
 """Benchmarks, side by side in one run on the same vLLM server and the same refenv: ratios, not times.
 
-    .venv/bin/python bench/compare.py --vllm http://127.0.0.1:8000 [overhead] [naive] [scaling] [memory]
+    .venv/bin/python bench/compare.py --vllm http://127.0.0.1:8000 [overhead] [naive] [pool32] [scaling] [memory]
 
 overhead  completion tokens/s through the service vs a raw client driving the same vLLM at the
           same concurrency, same first-turn prompts, max_tokens, n, logprobs (goal >= 0.95)
 naive     groups/s of the service vs the env's own client pattern (one group at a time, a thread
           pool of min(n, pool) workers, one blocking request per model call), at env latency 0
           and 200 ms, with env pool utilisation for both
+pool32    at pool 32, n=8: the service vs the naive driver, next to vLLM's own bound for the same
+          turn mix at concurrency 8 and 32 (episodes always in flight, no group barrier), with the
+          service's attempts broken down (queued / inference / env) and the pool's idle fraction
+          (run by name: `compare.py --vllm URL pool32`)
 scaling   groups/s and service CPU per env step as concurrent groups grow 1 -> 64
 memory    service RSS with 10,000 attempts queued for worlds
 
@@ -154,37 +158,47 @@ def bench_overhead(vllm: str, concurrency: int = 8, requests: int = 48, max_toke
 # -- 2 + 3. against the naive driver ------------------------------------------------------------
 
 
-def naive_group(env_url: str, vllm: str, task: str, n: int, pool: int, max_tokens: int) -> None:
-    """The env's own client pattern: a thread pool of min(n, pool) workers, blocking calls."""
+def _episode(http: httpx.Client, env_url: str, vllm: str, task: str, max_tokens: int) -> int:
+    """One episode the way the env's own client runs it (blocking calls, messages sent whole);
+    returns the completion tokens it took."""
+    tokens = 0
+    answer = http.post(f"{env_url}/step/reset", json={"task_id": task}).json()
+    while not answer["done"]:
+        obs = answer["observation"]
+        body = {
+            "model": MODEL_NAME,
+            "messages": obs["messages"],
+            "temperature": 0.8,
+            "max_tokens": max_tokens,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
+        if obs.get("response_format"):
+            body["response_format"] = obs["response_format"]
+        out = http.post(f"{vllm}/v1/chat/completions", json=body).json()
+        tokens += out["usage"]["completion_tokens"]
+        answer = http.post(
+            f"{env_url}/step",
+            json={
+                "episode_id": answer["episode_id"],
+                "completion": out["choices"][0]["message"]["content"],
+                "prompt_tokens": out["usage"]["prompt_tokens"],
+                "completion_tokens": out["usage"]["completion_tokens"],
+            },
+        ).json()
+    return tokens
 
-    def attempt(_: int) -> None:
+
+def naive_group(env_url: str, vllm: str, task: str, n: int, pool: int, max_tokens: int) -> int:
+    """The env's own client pattern: a thread pool of min(n, pool) workers, blocking calls; returns
+    the group's completion tokens."""
+
+    def attempt(_: int) -> int:
         with httpx.Client(timeout=600) as http:
-            answer = http.post(f"{env_url}/step/reset", json={"task_id": task}).json()
-            while not answer["done"]:
-                obs = answer["observation"]
-                body = {
-                    "model": MODEL_NAME,
-                    "messages": obs["messages"],
-                    "temperature": 0.8,
-                    "max_tokens": max_tokens,
-                    "logprobs": True,
-                    "return_token_ids": True,
-                }
-                if obs.get("response_format"):
-                    body["response_format"] = obs["response_format"]
-                out = http.post(f"{vllm}/v1/chat/completions", json=body).json()
-                answer = http.post(
-                    f"{env_url}/step",
-                    json={
-                        "episode_id": answer["episode_id"],
-                        "completion": out["choices"][0]["message"]["content"],
-                        "prompt_tokens": out["usage"]["prompt_tokens"],
-                        "completion_tokens": out["usage"]["completion_tokens"],
-                    },
-                ).json()
+            return _episode(http, env_url, vllm, task, max_tokens)
 
     with ThreadPoolExecutor(min(n, pool)) as workers:
-        list(workers.map(attempt, range(n)))
+        return sum(workers.map(attempt, range(n)))
 
 
 def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: int = 8, max_tokens: int = 32) -> dict:
@@ -214,6 +228,83 @@ def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: i
         )
         out["service"]["max_leased"] = stack.env_health()["max_leased"]
     out["ratio"] = round(out["service"]["groups_per_s"] / out["naive"]["groups_per_s"], 2)
+    return out
+
+
+# -- 3b. where the pool-32 throughput goes -------------------------------------------------------
+
+
+def vllm_bound(stack: Stack, vllm: str, tasks: list[str], concurrency: int, seconds: float, max_tokens: int) -> dict:
+    """What vLLM itself gives this turn mix at `concurrency`: that many episodes always in flight
+    (each worker starts the next as soon as one ends, no group barrier), completion tokens/s."""
+    deadline = time.monotonic() + seconds
+    counts: list[tuple[int, int]] = []
+
+    def worker(i: int) -> None:
+        tokens = episodes = 0
+        with httpx.Client(timeout=600) as http:
+            while time.monotonic() < deadline:
+                tokens += _episode(http, stack.env_url, vllm, tasks[(i + episodes) % len(tasks)], max_tokens)
+                episodes += 1
+        counts.append((tokens, episodes))
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as workers:
+        list(workers.map(worker, range(concurrency)))
+    wall = time.monotonic() - started
+    return {
+        "concurrency": concurrency,
+        "tokens_per_s": round(sum(t for t, _ in counts) / wall, 1),
+        "episodes_per_s": round(sum(e for _, e in counts) / wall, 3),
+        "wall_s": round(wall, 1),
+    }
+
+
+def bench_pool32(
+    vllm: str, groups: int = 8, n: int = 8, pool: int = 32, max_tokens: int = 32, bound_s: float = 60.0
+) -> dict:
+    """The service against the naive driver at pool 32, n=8, next to vLLM's own bound at concurrency
+    8 (what the naive driver can use) and 32 (what the pool allows), with the service's attempts
+    broken down (queued for a world, in inference, in the env) and the pool's idle fraction."""
+    out: dict = {"groups": groups, "n": n, "pool": pool, "max_tokens": max_tokens}
+    with Stack(vllm, pool=pool) as stack:
+        tasks = stack.tasks(groups)
+
+        def timed(run) -> dict:
+            before = stack.env_health()["busy_world_seconds"]
+            started = time.monotonic()
+            tokens = run()
+            wall = time.monotonic() - started
+            busy = stack.env_health()["busy_world_seconds"] - before
+            return {
+                "groups_per_s": round(groups / wall, 4),
+                "tokens_per_s": round(tokens / wall, 1),
+                "pool_idle": round(1 - busy / (pool * wall), 3),
+                "wall_s": round(wall, 1),
+            }
+
+        out["vllm_bound"] = [vllm_bound(stack, vllm, tasks, c, bound_s, max_tokens) for c in (min(n, pool), pool)]
+        out["naive"] = timed(lambda: sum(naive_group(stack.env_url, vllm, t, n, pool, max_tokens) for t in tasks))
+        attempts: list[dict] = []
+
+        def service() -> int:
+            _, results = run_batch(
+                stack.svc_url,
+                [{"task_id": t, "n": n, "sampling": {"temperature": 0.8, "max_tokens": max_tokens}} for t in tasks],
+            )
+            attempts.extend(a for g in results for a in g["attempts"])
+            return sum(g["completion_tokens"] for g in results)
+
+        out["service"] = timed(service)
+        out["service"]["max_leased"] = stack.env_health()["max_leased"]
+        total = sum(a["timings"]["total_s"] for a in attempts) or 1.0
+        out["service"]["attempt_time_share"] = {
+            part: round(sum(a["timings"][f"{part}_s"] for a in attempts) / total, 3)
+            for part in ("queued", "inference", "env")
+        }
+        out["service"]["attempt_mean_s"] = round(total / max(len(attempts), 1), 2)
+    out["ratio_vs_naive"] = round(out["service"]["groups_per_s"] / out["naive"]["groups_per_s"], 2)
+    out["share_of_bound"] = round(out["service"]["tokens_per_s"] / out["vllm_bound"][-1]["tokens_per_s"], 3)
     return out
 
 
@@ -306,6 +397,9 @@ def main() -> int:
         results["naive"] = [bench_naive(vllm, 0), bench_naive(vllm, 200)]
         for row in results["naive"]:
             print("naive:", json.dumps(row), flush=True)
+    if "pool32" in args.which:
+        results["pool32"] = bench_pool32(vllm)
+        print("pool32:", json.dumps(results["pool32"]), flush=True)
     if "scaling" in args.which:
         results["scaling"] = bench_scaling(vllm)
         for row in results["scaling"]:

@@ -10,7 +10,9 @@ for a server with httpx's MockTransport.
 Bodies are JSON. orjson encodes; a body it refuses (a lone UTF-16 surrogate in a string) is encoded
 by the standard library instead, escaped as JSON allows. Answers are decoded by orjson, or by the
 standard library where orjson refuses them (a surrogate escape), so callers see what `json` would
-give them.
+give them. Two differences from `json` remain, neither reachable with token ids and the models'
+bounded sampling parameters: orjson writes NaN and infinities as null, and reads integers over
+64 bits as floats.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class HttpAnswer:
         return self.body.decode("utf-8", "replace")
 
 
+_MAX_HEADER_BYTES = 64 * 1024
+
+
 class HttpTransport:
     """One pool of keep-alive connections; `request` answers whatever status the server sent."""
 
@@ -108,16 +113,26 @@ class AiohttpTransport(HttpTransport):
         if self._closed:
             raise TransportError("the client is closed")
         if self._session is None:
-            # No cap on connections: the scheduler and the envs' pools bound what is in flight.
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+            # No cap on connections: the scheduler and the envs' pools bound what is in flight. No DNS
+            # cache: connections are kept alive, so lookups are rare, and a backend restarted on a new
+            # address (a pod, a container) must be found at once, as httpx found it.
+            connector = aiohttp.TCPConnector(limit=0, use_dns_cache=False)
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, skip_auto_headers=("User-Agent",), raise_for_status=False
+                connector=connector,
+                timeout=self._timeout,
+                skip_auto_headers=("User-Agent",),
+                raise_for_status=False,
+                trust_env=True,  # HTTP(S)_PROXY / NO_PROXY, as httpx honoured them
+                max_line_size=_MAX_HEADER_BYTES,  # a proxy in between may add long headers
+                max_field_size=_MAX_HEADER_BYTES,
             )
         return self._session
 
     async def _send(
         self, method: str, url: str, body: bytes | None, headers: dict[str, str], deadline_s: float | None
     ) -> HttpAnswer:
+        if deadline_s is not None and deadline_s <= 0:  # aiohttp reads 0 as "no deadline"
+            raise TransportTimeout("no time left for the request")
         session = self._open()
         deadline = (
             aiohttp.ClientTimeout(total=deadline_s, connect=min(deadline_s, self._connect_timeout_s))
@@ -136,10 +151,14 @@ class AiohttpTransport(HttpTransport):
                 return HttpAnswer(response.status, await response.read())
         except TimeoutError as exc:
             raise TransportTimeout(f"{type(exc).__name__}: no answer in time") from None
-        except aiohttp.ClientConnectorError as exc:
+        except (aiohttp.ClientConnectorError, ValueError) as exc:  # ValueError: a host name that cannot be one
             raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
-        except (aiohttp.ClientError, RuntimeError) as exc:  # RuntimeError: the session was closed (shutdown)
+        except aiohttp.ClientError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        except RuntimeError as exc:
+            if self._closed or session.closed:  # closed under a request (shutdown): no answer
+                raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            raise  # a bug (say, a second event loop): not a backend's failure
 
     async def aclose(self) -> None:
         self._closed = True
@@ -164,8 +183,12 @@ class HttpxTransport(HttpTransport):
             raise TransportTimeout(f"{type(exc).__name__}: no answer in time") from None
         except httpx.ConnectError as exc:
             raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
-        except (httpx.HTTPError, RuntimeError) as exc:
+        except httpx.HTTPError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from None
+        except RuntimeError as exc:
+            if self._http.is_closed:
+                raise TransportError(f"{type(exc).__name__}: {exc}") from None
+            raise
         return HttpAnswer(response.status_code, response.content)
 
     async def aclose(self) -> None:

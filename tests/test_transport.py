@@ -107,3 +107,43 @@ def test_the_ceiling_benchmark_runs_and_keeps_the_pool_full_but_never_over(tmp_p
     (row,) = json.loads(out.read_text())["rows"]
     assert row["turns_per_s"] > 0 and row["groups_per_s"] > 0
     assert row["max_open"] == row["pool"] == 16
+
+
+def test_a_backend_back_on_a_new_address_is_found_at_once_and_bad_hosts_are_no_connection(monkeypatch):
+    """No DNS cache: a restarted env or replica (a new pod, a new container) is reached on its new
+    address by the next request. A host name that cannot exist is a failed connection, not a crash."""
+    import aiohttp.resolver
+
+    async def go():
+        server = await asyncio.start_server(_answer_ok, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        where = {"addr": "127.0.0.2"}  # first "envhost" lives where nothing listens
+        asked = []
+
+        async def resolve(self, host, port_=0, family=socket.AF_INET):
+            asked.append(host)
+            return [{"hostname": host, "host": where["addr"], "port": port_, "family": family, "proto": 0,
+                     "flags": socket.AI_NUMERICHOST}]  # fmt: skip
+
+        monkeypatch.setattr(aiohttp.resolver.ThreadedResolver, "resolve", resolve)
+        transport = AiohttpTransport(timeout_s=5.0)
+        try:
+            async with server:
+                with pytest.raises(ConnectRefused):
+                    await transport.request("GET", f"http://envhost:{port}/health")
+                where["addr"] = "127.0.0.1"  # the env came back elsewhere
+                answer = await transport.request("GET", f"http://envhost:{port}/health")
+                assert answer.status == 200 and len(asked) == 2
+            with pytest.raises(ConnectRefused):
+                await transport.request("GET", "http://a..b/health")
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+
+
+async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+    await writer.drain()
+    writer.close()

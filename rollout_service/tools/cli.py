@@ -56,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
     # The service listens at once and waits for its envs and model servers (saying which, up to
     # --startup-timeout); if it gives up, or finds a misconfiguration, the server stops here.
     app.state.stop_server = lambda: setattr(server, "should_exit", True)
-    gc.freeze()  # what start-up made lives as long as the process: never scan it again
+    gc.freeze()  # the imports, the app and its config live as long as the process: never scan them again
     gc.set_threshold(*GC_THRESHOLDS)
     server.run()
     failure = app.state.service.startup_failure
