@@ -69,6 +69,23 @@ class Stack(LocalStack):
     def env_health(self) -> dict:
         return httpx.get(f"{self.env_url}/health", timeout=10).json()
 
+    def timed(self, run, groups: int) -> dict:
+        """groups/s of `run`, the env pool's utilisation while it ran (the env's own busy-world
+        seconds), and tokens/s where `run` returns the completion tokens it took."""
+        before = self.env_health()["busy_world_seconds"]
+        started = time.monotonic()
+        tokens = run()
+        wall = time.monotonic() - started
+        busy = self.env_health()["busy_world_seconds"] - before
+        out = {
+            "groups_per_s": round(groups / wall, 4),
+            "utilisation": round(busy / (self.pool * wall), 3),
+            "wall_s": round(wall, 1),
+        }
+        if isinstance(tokens, int):
+            out["tokens_per_s"] = round(tokens / wall, 1)
+        return out
+
     def tasks(self, count: int) -> list[str]:
         """`count` task ids cycling through the mix, from what the service serves."""
         with RolloutClient(self.svc_url) as client:
@@ -205,26 +222,15 @@ def bench_naive(vllm: str, latency_ms: int, groups: int = 8, n: int = 4, pool: i
     out = {"latency_ms": latency_ms, "groups": groups, "n": n, "pool": pool, "max_tokens": max_tokens}
     with Stack(vllm, pool=pool, latency_ms=latency_ms) as stack:
         tasks = stack.tasks(groups)
-
-        def timed(run) -> dict:
-            """groups/s of `run` and the env pool's utilisation while it ran."""
-            before = stack.env_health()["busy_world_seconds"]
-            started = time.monotonic()
-            run()
-            wall = time.monotonic() - started
-            busy = stack.env_health()["busy_world_seconds"] - before
-            return {
-                "groups_per_s": round(groups / wall, 4),
-                "utilisation": round(busy / (pool * wall), 3),
-                "wall_s": round(wall, 1),
-            }
-
-        out["naive"] = timed(lambda: [naive_group(stack.env_url, vllm, task, n, pool, max_tokens) for task in tasks])
-        out["service"] = timed(
+        out["naive"] = stack.timed(
+            lambda: [naive_group(stack.env_url, vllm, task, n, pool, max_tokens) for task in tasks], groups
+        )
+        out["service"] = stack.timed(
             lambda: run_batch(
                 stack.svc_url,
                 [{"task_id": t, "n": n, "sampling": {"temperature": 0.8, "max_tokens": max_tokens}} for t in tasks],
-            )
+            ),
+            groups,
         )
         out["service"]["max_leased"] = stack.env_health()["max_leased"]
     out["ratio"] = round(out["service"]["groups_per_s"] / out["naive"]["groups_per_s"], 2)
@@ -269,22 +275,10 @@ def bench_pool32(
     out: dict = {"groups": groups, "n": n, "pool": pool, "max_tokens": max_tokens}
     with Stack(vllm, pool=pool) as stack:
         tasks = stack.tasks(groups)
-
-        def timed(run) -> dict:
-            before = stack.env_health()["busy_world_seconds"]
-            started = time.monotonic()
-            tokens = run()
-            wall = time.monotonic() - started
-            busy = stack.env_health()["busy_world_seconds"] - before
-            return {
-                "groups_per_s": round(groups / wall, 4),
-                "tokens_per_s": round(tokens / wall, 1),
-                "pool_idle": round(1 - busy / (pool * wall), 3),
-                "wall_s": round(wall, 1),
-            }
-
         out["vllm_bound"] = [vllm_bound(stack, vllm, tasks, c, bound_s, max_tokens) for c in (min(n, pool), pool)]
-        out["naive"] = timed(lambda: sum(naive_group(stack.env_url, vllm, t, n, pool, max_tokens) for t in tasks))
+        out["naive"] = stack.timed(
+            lambda: sum(naive_group(stack.env_url, vllm, t, n, pool, max_tokens) for t in tasks), groups
+        )
         attempts: list[dict] = []
 
         def service() -> int:
@@ -295,7 +289,7 @@ def bench_pool32(
             attempts.extend(a for g in results for a in g["attempts"])
             return sum(g["completion_tokens"] for g in results)
 
-        out["service"] = timed(service)
+        out["service"] = stack.timed(service, groups)
         out["service"]["max_leased"] = stack.env_health()["max_leased"]
         total = sum(a["timings"]["total_s"] for a in attempts) or 1.0
         out["service"]["attempt_time_share"] = {
@@ -303,6 +297,8 @@ def bench_pool32(
             for part in ("queued", "inference", "env")
         }
         out["service"]["attempt_mean_s"] = round(total / max(len(attempts), 1), 2)
+    for side in ("naive", "service"):
+        out[side]["pool_idle"] = round(1 - out[side]["utilisation"], 3)
     out["ratio_vs_naive"] = round(out["service"]["groups_per_s"] / out["naive"]["groups_per_s"], 2)
     out["share_of_bound"] = round(out["service"]["tokens_per_s"] / out["vllm_bound"][-1]["tokens_per_s"], 3)
     return out

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, TypeVar
 import httpx
 from pydantic import StrictInt, TypeAdapter
 
-from .transport import AiohttpTransport, HttpAnswer, HttpTransport, HttpxTransport, TransportError, TransportTimeout
+from .transport import HttpAnswer, HttpTransport, TransportError, TransportTimeout, make_transport
 
 MAX_DETAIL_CHARS = 500
 T = TypeVar("T")
@@ -184,11 +184,7 @@ class ChatClient:
             raise ValueError("at least one model server URL is needed")
         self.endpoints = [Endpoint(_base(u), api_key) for u in urls]
         self.token_ids = token_ids
-        self._http: HttpTransport = (
-            HttpxTransport(httpx.AsyncClient(transport=transport, timeout=timeout_s))
-            if transport is not None
-            else AiohttpTransport(timeout_s)
-        )
+        self._http: HttpTransport = make_transport(timeout_s, transport)
         self._pins: dict[str, Endpoint] = {}
         self._deadline_s = timeout_s
         self._routable_again = asyncio.Event()

@@ -167,6 +167,13 @@ class AiohttpTransport(HttpTransport):
             await session.close()
 
 
+def make_transport(timeout_s: float, stand_in: httpx.AsyncBaseTransport | None = None) -> HttpTransport:
+    """aiohttp, or (tests) `stand_in`, an httpx transport answering for the servers."""
+    if stand_in is not None:
+        return HttpxTransport(httpx.AsyncClient(transport=stand_in, timeout=timeout_s))
+    return AiohttpTransport(timeout_s)
+
+
 class HttpxTransport(HttpTransport):
     """The same calls over an httpx client (any of its transports: tests stand in for servers so)."""
 

@@ -10,12 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from inference.client import clean_text
 from inference.transport import (
-    AiohttpTransport,
     ConnectRefused,
     HttpTransport,
-    HttpxTransport,
     TransportError,
     TransportTimeout,
+    make_transport,
 )
 
 # An error text from the env is data for the trainer: keep it, but bounded.
@@ -186,11 +185,7 @@ class EnvClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         # `transport`: an httpx transport standing in for the env (tests); otherwise aiohttp, the fast path.
-        self._http: HttpTransport = (
-            HttpxTransport(httpx.AsyncClient(transport=transport, timeout=timeout_s))
-            if transport is not None
-            else AiohttpTransport(timeout_s)
-        )
+        self._http: HttpTransport = make_transport(timeout_s, transport)
 
     async def aclose(self) -> None:
         await self._http.aclose()
