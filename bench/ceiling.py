@@ -242,6 +242,7 @@ async def measure(args: argparse.Namespace, in_flight: int, completion_tokens: i
         "service_rss_start_mib": round(rss_start, 1),
         "service_rss_series": rss_series,
         "max_open": stats["max_open"],
+        "refused_resets": stats["refused"],  # resets the env refused, every world taken: must be 0
         "pool": stats["pool"],
         "groups_per_s": round((groups[0] - groups0) / elapsed, 2),
         "cpu_share": {name: round(c / elapsed, 2) for name, c in cpu.items()},  # cores used by each

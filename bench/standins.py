@@ -181,6 +181,7 @@ class Env:
         self.observation = ("o" * (CHARS_PER_TOKEN - 1) + " ") * observation_tokens
         self.episodes: dict[str, tuple[list[dict], float]] = {}  # id -> (messages, answered at)
         self.ids = itertools.count()
+        self.refused = 0  # resets asked for with every world taken, since start (warm-up included)
         self.stats_reset()
 
     def stats_reset(self) -> None:
@@ -230,6 +231,7 @@ class Env:
             return 200, self._observation(episode_id, [*messages, {"role": "user", "content": self.observation}])
         if path == "/step/reset":
             if len(self.episodes) >= self.pool:
+                self.refused += 1
                 return 503, b'{"error":"no_world_available","message":"pool full"}'
             self.resets += 1
             episode_id = f"e{next(self.ids)}"
@@ -266,6 +268,7 @@ class Env:
                 "steps": self.steps,
                 "finished": self.finished,
                 "abandoned": self.abandoned,
+                "refused": self.refused,
                 "turnaround_p50_ms": _quantile(turnaround, 0.5) * 1000,
                 "turnaround_p99_ms": _quantile(turnaround, 0.99) * 1000,
             }
