@@ -33,7 +33,7 @@ train-demo: setup
 	$(BIN)/python examples/reference_trainer.py --out results/train
 
 test: setup tools lint
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=25
 
 # Lint, format and type checks (configured in pyproject.toml); part of `make test`.
 lint: setup

@@ -86,6 +86,13 @@ def _add_vllm(sub) -> None:
         action="store_true",
         help="do not compile the model (vLLM's --enforce-eager): starts faster, runs slower",
     )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default=None,
+        help="weights and activations (default: bfloat16, or float32 on a CPU without native bf16, where "
+        "vLLM's CPU build emulates bf16 at half the speed)",
+    )
 
 
 def _vllm(args: argparse.Namespace) -> int:
@@ -100,6 +107,7 @@ def _vllm(args: argparse.Namespace) -> int:
         served_name=embedded_model.MODEL_NAME,
         host=args.host,
         port=args.port,
+        dtype=args.dtype,
         extra=["--enforce-eager"] if args.eager else None,
     )
     print(f"serving {embedded_model.MODEL_NAME} at http://{args.host}:{args.port}/v1 (Ctrl-C stops it)", flush=True)
