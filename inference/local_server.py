@@ -19,12 +19,15 @@ def installed_vllm() -> str | None:
     return None
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
 def native_bf16() -> bool:
     """Whether this CPU computes in bfloat16 natively (x86: AVX-512 BF16 or AMX; Arm: the `bf16`
     feature). Linux only: elsewhere (or when /proc/cpuinfo cannot be read) the answer is True, vLLM's
     usual choice."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = CPUINFO.read_text()
     except OSError:
         return True
     return not {"avx512_bf16", "amx_bf16", "bf16"}.isdisjoint(flags.split())

@@ -61,21 +61,13 @@ def test_durations():
 )
 def test_the_embedded_servers_dtype_follows_the_cpu(monkeypatch, tmp_path, build, cpuinfo, expected):
     """Break tried: substring matching (`f in flags`) -> the avx512_bf16x row fails."""
-    from pathlib import Path
-
     from inference import local_server
 
     monkeypatch.setattr(local_server, "installed_vllm", lambda: build)
-    real_read = Path.read_text
-
-    def read_text(self, *args, **kwargs):
-        if str(self) != "/proc/cpuinfo":
-            return real_read(self, *args, **kwargs)
-        if cpuinfo is None:
-            raise FileNotFoundError(self)
-        return cpuinfo
-
-    monkeypatch.setattr(Path, "read_text", read_text)
+    cpuinfo_file = tmp_path / "cpuinfo"  # absent where the row has none
+    if cpuinfo is not None:
+        cpuinfo_file.write_text(cpuinfo)
+    monkeypatch.setattr(local_server, "CPUINFO", cpuinfo_file)
     assert local_server.default_dtype() == expected
     command = local_server.vllm_command(tmp_path, served_name="m")
     assert command[command.index("--dtype") + 1] == expected
