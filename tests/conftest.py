@@ -177,12 +177,12 @@ def check_env_at_teardown(url: str, may_wait: bool) -> None:
 
 @pytest.fixture
 def start_scripted_model(launch):
-    """start_scripted_model(script) -> Running: tests/scripted_model.py, a stand-in model server that
-    answers badly on purpose (see its docstring); it serves the model name "scripted"."""
+    """start_scripted_model(script, *flags) -> Running: tests/scripted_model.py, a stand-in model server
+    that answers badly on purpose (see its docstring); it serves the model name "scripted"."""
 
-    def start(script: str, port: int | None = None) -> Running:
+    def start(script: str, *flags: str, port: int | None = None) -> Running:
         port = port or free_port()
-        cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", str(port), "--script", script]
+        cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", str(port), "--script", script, *flags]
         return launch("model", port, cmd, ready_path="/v1/models")
 
     return start

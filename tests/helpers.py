@@ -26,7 +26,9 @@ def wait_until(predicate, timeout_s: float = 5.0, every_s: float = 0.1) -> bool:
         return False
 
 
-def cli(*args: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, timeout: float = 600, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`rollout-service ARGS...` in a child process, its output captured."""
     return subprocess.run(
         [sys.executable, "-m", "rollout_service.tools.cli", *args],
@@ -34,6 +36,7 @@ def cli(*args: str, timeout: float = 600, cwd: Path | None = None) -> subprocess
         text=True,
         timeout=timeout,
         cwd=cwd,
+        env=env,
     )
 
 

@@ -223,6 +223,7 @@ def build(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--script", required=True, choices=SCRIPTS)
     parser.add_argument("--name", default="scripted", help="served model name")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep before each chat answer")
@@ -232,7 +233,7 @@ def main() -> None:
     app = build(
         args.script, name=args.name, delay=args.delay, sql_turns=args.sql_turns, listing_delay=args.listing_delay
     )
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

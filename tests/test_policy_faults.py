@@ -243,7 +243,7 @@ def test_r7_a_probe_finding_a_replica_down_excludes_it_unless_the_policy_is_base
     async def go():
         # On the base weights a restarted replica serves the policy too: nothing to exclude.
         fleet, chat, pm = await make_manager(2)
-        monitor = BackendMonitor([], [("policy", ModelRoute(BASE, chat))], pm)
+        monitor = BackendMonitor({}, [("policy", ModelRoute(BASE, chat))], pm)
         fleet[1].up = False
         await monitor.probe()
         assert not monitor.model_state("policy", "http://r1")["ok"]
@@ -252,7 +252,7 @@ def test_r7_a_probe_finding_a_replica_down_excludes_it_unless_the_policy_is_base
         fleet, chat, pm = await make_manager(2)
         v1 = checkpoint(tmp_path, "v1")
         await pm.update(PolicyUpdate(version="v1", weights={"path": v1}))
-        monitor = BackendMonitor([], [("policy", ModelRoute(BASE, chat))], pm)
+        monitor = BackendMonitor({}, [("policy", ModelRoute(BASE, chat))], pm)
         r1, ep1 = fleet[1], chat.endpoints[1]
         r1.up = False
         await monitor.probe()

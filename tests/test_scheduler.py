@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from rollout_service.server.scheduler import EnvSlots, WorldScheduler
+from rollout_service.server.scheduler import EnvSlots, NoEnvLeft, WorldScheduler
 
 
 async def settle(rounds: int = 3) -> None:
@@ -251,3 +251,140 @@ def test_random_workload_keeps_the_invariants():
     sched = asyncio.run(scenario())
     assert sched.waiting == 0
     assert all(e.held == 0 for e in sched.envs.values())
+
+
+def test_an_env_added_serves_queued_waiters_and_a_removed_one_fails_only_its_orphans():
+    async def scenario():
+        sched = WorldScheduler([EnvSlots("a", 1)])
+        first = await sched.acquire(["a"], (1, 0), task="t")
+        queued = [asyncio.create_task(sched.acquire(["a"], (1, i), task="t")) for i in (1, 2, 3)]
+        other = asyncio.create_task(sched.acquire(["a"], (1, 4), task="u"))  # a task "b" does not serve
+        await settle()
+        assert sched.waiting == 4
+        sched.add_env(EnvSlots("b", 2), tasks={"t"})
+        await settle()
+        # b's two worlds went to the best two waiters of its task, at once; "u" still waits for a.
+        assert [t.done() for t in queued] == [True, True, False] and not other.done()
+        assert {t.result().url for t in queued[:2]} == {"b"}
+        sched.drain_env("a")
+        sched.release(first)  # a is draining: its slot goes back to nobody
+        await settle()
+        assert not queued[2].done() and not other.done()
+        with pytest.raises(NoEnvLeft):  # a new attempt for "u" finds only a draining env
+            await sched.acquire(["a"], (2, 0), task="u")
+        sched.remove_env("a")
+        await settle()
+        with pytest.raises(NoEnvLeft):  # "u" lost its only env; "t" still has b
+            await asyncio.wait_for(other, 5)
+        assert not queued[2].done() and sched.waiting == 1
+        sched.release(queued[0].result())
+        assert (await queued[2]).url == "b"
+        with pytest.raises(ValueError):  # b is neither drained nor empty
+            sched.remove_env("b")
+        return sched
+
+    sched = asyncio.run(scenario())
+    assert list(sched.envs) == ["b"] and sched.envs["b"].held == 2 and sched.waiting == 0
+
+
+def test_random_membership_changes_keep_the_pool_cap_and_strand_nobody():
+    """Envs added, drained and removed among random acquires, cancels and releases. The oracle is
+    the test's own bookkeeping: which env serves which task (so which waiter an added env must
+    take), the worlds each env has out, which envs were drained."""
+    rng = random.Random(5)
+    tasks = ["t1", "t2", "t3"]
+
+    async def scenario():
+        serves: dict[str, set[str]] = {"e0": {"t1", "t2"}, "e1": {"t2", "t3"}}
+        pools = {"e0": 2, "e1": 1}
+        sched = WorldScheduler([EnvSlots(u, p) for u, p in pools.items()])
+        out: dict[str, int] = {u: 0 for u in serves}  # worlds granted and not released, per env
+        drained: set[str] = set()
+        held: list[EnvSlots] = []
+        pending: dict[asyncio.Task, str] = {}
+        orphaned = 0
+        next_env = 2
+        unserved: list[set[str]] = []  # per step, after its op: the tasks no env takes attempts for
+
+        def note_unserved() -> None:
+            unserved.append({t for t in tasks if not any(t in serves[u] for u in serves if u not in drained)})
+
+        async def attempt(task: str, priority: tuple):
+            nonlocal orphaned
+            since = len(unserved)
+            candidates = [u for u, ts in serves.items() if task in ts]
+            try:
+                slot = await sched.acquire(candidates, priority, rng.randrange(3), task=task)
+            except NoEnvLeft:
+                assert any(task in unserved[k] for k in range(since - 1, len(unserved))), (
+                    "an attempt was failed while a present env served its task all along"
+                )
+                orphaned += 1
+                return
+            assert slot.url not in drained, "a slot of a draining env was granted"
+            assert task in serves[slot.url], "a slot of an env that does not serve the task was granted"
+            out[slot.url] += 1
+            assert out[slot.url] <= pools[slot.url], "more worlds out than the env's pool"
+            held.append(slot)
+
+        for step in range(4000):
+            op = rng.random()
+            if op < 0.45:
+                task = rng.choice(tasks)
+                pending[asyncio.create_task(attempt(task, (rng.randrange(20), step)))] = task
+            elif op < 0.55 and pending:
+                rng.choice(list(pending)).cancel()
+            elif op < 0.8 and held:
+                slot = held.pop(rng.randrange(len(held)))
+                out[slot.url] -= 1
+                sched.release(slot)
+            elif op < 0.85:
+                url = f"e{next_env}"
+                next_env += 1
+                serves[url], pools[url], out[url] = set(rng.sample(tasks, rng.randint(1, 2))), rng.randint(1, 3), 0
+                sched.add_env(EnvSlots(url, pools[url]), tasks=serves[url])
+            elif op < 0.9:
+                live = [u for u in serves if u not in drained]
+                if len(live) > 1:
+                    url = rng.choice(live)
+                    await settle()  # waiters granted before the drain have resumed: any later grant is a fault
+                    drained.add(url)
+                    sched.drain_env(url)
+            else:
+                for url in [u for u in drained if out[u] == 0 and u in sched.envs]:
+                    sched.remove_env(url)
+                    del serves[url]
+            note_unserved()
+            await settle(rng.choice([0, 1, 3]))
+            if rng.random() < 0.3:
+                await settle()
+                for task in [t for t in pending if t.done()]:
+                    if not task.cancelled() and task.exception() is not None:
+                        raise task.exception()
+                    del pending[task]
+                assert sched.waiting == len(pending)
+                for task in pending.values():
+                    for url, ts in serves.items():
+                        if task in ts and url not in drained:
+                            assert out[url] == pools[url], f"{url} idles while a waiter for {task} could use it"
+        # Wind down: every world comes back and every drained env is removed. No waiter may be left:
+        # each is served by an env that takes attempts, or failed when its last env went.
+        for _ in range(1000):
+            if not pending:
+                break
+            for slot in held:
+                out[slot.url] -= 1
+                sched.release(slot)
+            held.clear()
+            for url in [u for u in drained if u in sched.envs]:
+                sched.remove_env(url)
+                del serves[url]
+            note_unserved()
+            await settle()
+            for task in [t for t in pending if t.done()]:
+                del pending[task]
+        assert not pending, "waiters stranded with every world back and every drained env gone"
+        return orphaned, out, drained
+
+    orphaned, out, drained = asyncio.run(scenario())
+    assert orphaned > 0 and drained, "the workload never exercised a removal"

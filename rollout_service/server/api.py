@@ -1,4 +1,4 @@
-"""The HTTP routes: POST /groups, POST /groups/batch (NDJSON), /health, /tasks, /metrics.
+"""The HTTP routes: POST /groups, POST /groups/batch (NDJSON), /policy, /envs, /replicas, /health, /tasks, /metrics.
 
 Routes only: the logic is in `RolloutService`, reached through `request.app.state.service`.
 """
@@ -14,13 +14,30 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..protocol import BatchRequest, ErrorBody, GroupRequest, GroupResult, PolicyState, PolicyUpdate, PolicyUpdateResult
+from ..protocol import (
+    BatchRequest,
+    EnvAdd,
+    EnvRef,
+    EnvRemove,
+    EnvRemoved,
+    EnvState,
+    ErrorBody,
+    GroupRequest,
+    GroupResult,
+    PolicyState,
+    PolicyUpdate,
+    PolicyUpdateResult,
+    ReplicaAdd,
+    ReplicaRef,
+    ReplicaRemove,
+    ReplicaState,
+)
 from .errors import RequestRefused, shutting_down
 from .service import RolloutService
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 502, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 502, 503, 504)
 }
 
 
@@ -160,6 +177,86 @@ async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResul
 )
 async def pause_policy(request: Request) -> PolicyState:
     return await asyncio.shield(_ready(request).versions.pause())
+
+
+@router.get("/envs", response_model=list[EnvState], summary="The envs scheduled on, with their pools and slots held")
+async def list_envs(request: Request) -> list[EnvState]:
+    service = _ready(request)
+    return [service.env_state(env) for env in service.envs.values()]
+
+
+@router.post(
+    "/envs",
+    status_code=201,
+    response_model=EnvState,
+    responses=_ERRORS,
+    summary="Schedule on one more env server",
+    description="It must answer /health ready within timeout_s (504 env_not_ready), speak the step contract "
+    "(422 env_refused) and share the dataset and reward version of the envs serving the same tasks (409 "
+    "env_incomparable). Attempts already queued for its tasks may take its worlds at once.",
+)
+async def add_env(body: EnvAdd, request: Request) -> EnvState:
+    return await _service(request).add_env(body)
+
+
+@router.post(
+    "/envs/drain",
+    response_model=EnvState,
+    responses=_ERRORS,
+    summary="Start no new episode on an env; the episodes on it finish",
+)
+async def drain_env(body: EnvRef, request: Request) -> EnvState:
+    return _service(request).drain_env(body)
+
+
+@router.post(
+    "/envs/remove",
+    response_model=EnvRemoved,
+    responses=_ERRORS,
+    summary="Drain an env, wait for its episodes to finish, then stop scheduling on it",
+    description="Nothing is cut short: 409 env_busy if episodes still run on it after timeout_s (it stays "
+    "draining). Attempts queued for it alone fail as env_no_world; tasks no other env serves are listed.",
+)
+async def remove_env(body: EnvRemove, request: Request) -> EnvRemoved:
+    # Not cancelled with its client: a removal half done (drained, not yet forgotten) finishes either way.
+    return await asyncio.shield(_service(request).remove_env(body))
+
+
+@router.post(
+    "/replicas",
+    status_code=201,
+    response_model=ReplicaState,
+    responses=_ERRORS,
+    summary="Route to one more replica of the policy (or support) model",
+    description="It must list the model within timeout_s (504 replica_not_ready; 422 replica_refused if it "
+    "serves another). A policy replica is routed to only once it serves the current version: the service "
+    "brings it there (adapter loaded, full weights reloaded) and answers when it is routed, or at timeout_s "
+    "with routed: false and the reason.",
+)
+async def add_replica(body: ReplicaAdd, request: Request) -> ReplicaState:
+    return await asyncio.shield(_service(request).add_replica(body))
+
+
+@router.post(
+    "/replicas/drain",
+    response_model=ReplicaState,
+    responses=_ERRORS,
+    summary="Send no new turn to a replica; groups pinned there move at their next turn",
+)
+async def drain_replica(body: ReplicaRef, request: Request) -> ReplicaState:
+    return _service(request).drain_replica(body)
+
+
+@router.post(
+    "/replicas/remove",
+    response_model=ReplicaState,
+    responses=_ERRORS,
+    summary="Drain a replica, wait for its requests in flight to end, then stop routing to it",
+    description="409 replica_busy if requests still run on it after timeout_s (it stays draining); 409 "
+    "last_replica: a route keeps one replica that is not draining.",
+)
+async def remove_replica(body: ReplicaRemove, request: Request) -> ReplicaState:
+    return await asyncio.shield(_service(request).remove_replica(body))
 
 
 @router.get(

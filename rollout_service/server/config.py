@@ -9,27 +9,13 @@ from __future__ import annotations
 import os
 from typing import Annotated
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..flags import Flag, ListenAddress
+from ..protocol import http_url
 from ..runs import valid_run_id
 
 ENV_PREFIX = "ROLLOUT_"
-
-
-def _http_url(url: str) -> str:
-    """`url` if it is http(s)://HOST...: anything else would be waited on at start, never answering."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
-        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
-    try:
-        port = httpx.URL(url).port
-    except (httpx.InvalidURL, ValueError) as exc:
-        raise ValueError(f"{url!r} is not a valid URL: {exc}") from None
-    if port is not None and not 0 < port < 65536:
-        raise ValueError(f"{url!r} is not a valid URL: port {port} is out of range")
-    return url
 
 
 class EndpointSpec(BaseModel):
@@ -50,7 +36,7 @@ class EndpointSpec(BaseModel):
         if not sep or not name or not rest:
             raise ValueError(f"{text!r}: expected NAME=URL[,api-key-env=VAR][,model=SERVED][,token-ids=false]")
         url, *options = rest.split(",")
-        fields: dict = {"name": name.strip(), "url": _http_url(url.strip())}
+        fields: dict = {"name": name.strip(), "url": http_url(url.strip())}
         for option in options:
             key, sep, value = option.partition("=")
             key = key.strip().replace("-", "_")
@@ -163,7 +149,7 @@ class ServiceConfig(BaseModel):
     @field_validator("env", "vllm", "support_vllm")
     @classmethod
     def _no_duplicates(cls, value: list[str]) -> list[str]:
-        stripped = [_http_url(u).rstrip("/") for u in value]
+        stripped = [http_url(u).rstrip("/") for u in value]
         if len(set(stripped)) != len(stripped):
             raise ValueError("the same URL is given twice")
         return stripped

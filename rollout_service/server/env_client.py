@@ -153,6 +153,13 @@ class EnvHealth(BaseModel):
     suite: dict[str, Any] = Field(default_factory=dict)
     capabilities: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _pool_is_a_count(self) -> EnvHealth:
+        pool = self.capabilities.get("pool")
+        if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 1):
+            raise ValueError(f"capabilities.pool must be a whole number of worlds, at least 1, not {pool!r}")
+        return self
+
     @property
     def pool(self) -> int:
         return int(self.capabilities.get("pool") or self.workers)

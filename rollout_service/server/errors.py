@@ -7,6 +7,10 @@ class StartupError(Exception):
     """The service cannot start as configured; the message says what to fix."""
 
 
+class IncomparableEnv(StartupError):
+    """An env serves a task that another env serves with another dataset or reward version."""
+
+
 class RequestRefused(Exception):
     """A trainer's request cannot be served as sent: HTTP status, code, what to change, extra headers."""
 

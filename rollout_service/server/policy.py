@@ -396,8 +396,8 @@ class PolicyManager:
 
     def replica_unreachable(self, endpoint: Endpoint, why: str) -> None:
         """A turn or a probe found the replica down: it may come back on its launch weights."""
-        if self.current.kind == "base":
-            return  # a restarted replica serves the base weights too
+        if self.current.kind == "base" or endpoint not in self.client.endpoints:
+            return  # a restarted replica serves the base weights too; a removed one is nobody's concern
         self.serving[endpoint.url] = None
         self.client.exclude(endpoint, f"{why}: routed again once it is checked to serve {self.current.label}")
 
@@ -406,6 +406,8 @@ class PolicyManager:
         take it out of routing and bring it there (in the background)."""
         if self._lock.locked() or self.paused or endpoint.url in self._restoring:
             return  # an update, the trainer's pause or a restore is deciding for it
+        if endpoint not in self.client.endpoints:
+            return  # removed while it was probed
         current = self.current
         try:
             ok = await self._serves(endpoint.url, current, models)
@@ -415,8 +417,13 @@ class PolicyManager:
         except WeightUpdateError as exc:
             self.client.exclude(endpoint, f"cannot tell which weights it serves: {exc.detail}")
             return
-        if current is not self.current or self._lock.locked():
-            return  # an update started or landed meanwhile: the next probe looks again
+        if (
+            current is not self.current
+            or self._lock.locked()
+            or endpoint.url in self._restoring
+            or endpoint not in self.client.endpoints
+        ):
+            return  # an update started or landed, or a restore began, meanwhile: the next probe looks again
         if ok:
             self.serving[endpoint.url] = current.label
             if endpoint.excluded is not None:
@@ -483,6 +490,25 @@ class PolicyManager:
         self.client.exclude(endpoint, None)
         log.warning("replica %s brought back to version %s", url, version.label)
 
+    # -- membership ----------------------------------------------------------------------------
+
+    async def join(self, endpoint: Endpoint, models: list[str]) -> None:
+        """A new replica: out of routing until it is checked to serve the current version, and
+        brought there (an adapter loaded, full weights reloaded) if it does not."""
+        async with self._lock:  # not in the middle of an update that walks the replica list
+            self.serving[endpoint.url] = None
+            self.client.add(endpoint, f"joining: routed once it serves version {self.current.label}")
+        await self.reconcile(endpoint, models)
+
+    async def leave(self, endpoint: Endpoint) -> None:
+        """Forget a drained replica (its turns are over), between updates."""
+        async with self._lock:
+            if endpoint not in self.client.endpoints:  # a second removal waited for the lock too
+                return
+            self.client.remove(endpoint)
+            self.serving.pop(endpoint.url, None)
+            self._resume_failed.discard(endpoint.url)
+
     # -- reading -----------------------------------------------------------------------------
 
     def state(self) -> PolicyState:
@@ -492,10 +518,7 @@ class PolicyManager:
             updates=self.current.step,
             paused=self.paused,
             served_model=self.current.served_model,
-            replicas=[
-                ReplicaState(url=e.url, version=self.serving.get(e.url), routed=e.excluded is None, reason=e.excluded)
-                for e in self.client.endpoints
-            ],
+            replicas=[replica_state(e, self.serving.get(e.url)) for e in self.client.endpoints],
             recent_updates=list(self.history),
         )
 
@@ -535,6 +558,16 @@ _EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
 
 class _Unchanged(WeightUpdateError):
     """The reload worked, and the weights are the ones already served."""
+
+
+def replica_state(endpoint: Endpoint, version: str | None) -> ReplicaState:
+    return ReplicaState(
+        url=endpoint.url,
+        version=version,
+        routed=endpoint.excluded is None,
+        reason=endpoint.excluded,
+        draining=endpoint.draining,
+    )
 
 
 async def _failed_outcome(outcome: _Outcome) -> _Outcome:

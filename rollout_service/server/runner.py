@@ -40,7 +40,7 @@ from ..protocol import (
 from .env_client import BadEnvAnswer, EnvClient, EnvError, StepAnswer
 from .metrics import Metrics
 from .policy import PolicyManager
-from .scheduler import EnvSlots, WorldScheduler
+from .scheduler import EnvSlots, NoEnvLeft, WorldScheduler
 from .trajectory import TemplateRenderer, TokenPromptsUnsupported, TrajectoryBuilder
 
 log = logging.getLogger("rollout_service.runner")
@@ -84,11 +84,22 @@ class EnvHandle:
 
 @dataclass
 class TaskTarget:
-    """A task and the envs that serve it (all with the same dataset fingerprint)."""
+    """A task and the envs that serve it now (all with the same dataset fingerprint): the service
+    adds and removes envs here as they come and go, and each try asks it afresh."""
 
     task_id: str
     slug: str
     envs: list[EnvHandle]
+    contract: EnvContract = field(init=False)  # the dataset and reward every env of it shares
+
+    def __post_init__(self) -> None:
+        self.contract = self.envs[0].contract
+
+    def env(self, url: str) -> EnvHandle:
+        return next(e for e in self.envs if e.url == url)
+
+    def candidates(self, include_eval: bool) -> list[str]:
+        return [e.url for e in self.envs if include_eval or e.contract.side != "eval"]
 
 
 @dataclass
@@ -255,9 +266,17 @@ class GroupRunner:
     ) -> tuple[Attempt, bool]:
         """One try: (the attempt, whether it failed on the env's side and may be run again)."""
         clock = _Clock()
-        slot = await self.scheduler.acquire([e.url for e in target.envs], priority, share)
+        try:
+            slot = await self.scheduler.acquire(
+                target.candidates(request.allow_eval_side),
+                priority,
+                share,
+                task=(target.task_id, request.allow_eval_side),
+            )
+        except NoEnvLeft as exc:
+            return _failed(index, "env_no_world", f"task {target.task_id}: {exc}"), False
         clock.queued = time.monotonic() - clock.started
-        env = next(e for e in target.envs if e.url == slot.url)
+        env = target.env(slot.url)
         held_from = time.monotonic()
         self.metrics.episodes_in_flight.labels(env=env.url).inc()
         attempt = Attempt(
@@ -665,7 +684,9 @@ def assemble(
             "then whether the task is far too hard or too easy for this policy."
         )
     oldest, newest = _version_span([t for a in attempts for t in a.turns], versions)
-    contract = target.envs[0].contract
+    # The first env the request could use reports the contract (its side included).
+    candidates = target.candidates(request.allow_eval_side)
+    contract = next((e.contract for e in target.envs if e.url in candidates), target.contract)
     if request.reward_profile:
         contract = contract.model_copy(update={"reward_profile": request.reward_profile})
     contract = contract.model_copy(

@@ -15,6 +15,11 @@ another). The policy:
 - Priority within a share: best first, (group sequence, attempt index): earlier groups finish
   first, and a later group becomes the earliest as soon as those before it finish.
 
+Membership changes at runtime (the admin API): `add_env` puts an env's slots in play at once, for
+new attempts and for the waiters already queued for one of its tasks; `drain_env` stops granting
+its slots (the episodes on it finish); `remove_env` takes a drained, empty env out and fails the
+waiters left with no env at all (`NoEnvLeft`) rather than letting them wait forever.
+
 Cost: acquire and release are O(log n) amortised and cancelling a waiter is O(1), so cancelling
 a whole batch of queued attempts does not stall the event loop. Waiters sit in heaps and are
 never removed from the middle: a granted or cancelled waiter is only marked, and skipped when it
@@ -26,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -39,10 +44,16 @@ class EnvSlots:
     held: int = 0
     max_held: int = 0
     busy_seconds: float = 0.0  # world-seconds held, for utilisation
+    draining: bool = False  # being taken out: its episodes finish, none starts
+    emptied: asyncio.Event | None = None  # set once draining with no slot held
 
     @property
     def free(self) -> int:
-        return self.pool - self.held
+        return 0 if self.draining else self.pool - self.held
+
+
+class NoEnvLeft(Exception):
+    """Every env the attempt could use was drained or removed while it waited (or before it asked)."""
 
 
 @dataclass(eq=False, slots=True)  # identity only: waiters are never compared, heaps order (priority, seq)
@@ -50,6 +61,8 @@ class _Waiter:
     candidates: tuple[str, ...]
     share: _Share
     future: asyncio.Future
+    task: Hashable  # what it runs: an env added later that serves it joins its candidates
+    entry: tuple[tuple, int] = ((), 0)  # (priority, seq): its place in every heap it is in
     queued: bool = True  # False once granted or gone; its heap entries are dead from then on
 
     @property
@@ -86,21 +99,28 @@ class WorldScheduler:
     def waiting(self) -> int:
         return self._waiting
 
-    async def acquire(self, candidates: Sequence[str], priority: tuple, share: object = None) -> EnvSlots:
+    async def acquire(
+        self, candidates: Sequence[str], priority: tuple, share: object = None, task: Hashable = None
+    ) -> EnvSlots:
         """Wait for a slot on one of `candidates` (env URLs); the least busy free one wins.
 
         `share` (hashable) names the request the attempt came with, `priority` orders the
-        attempts within it. No live waiter ever wants a free env (release hands each freed slot
-        straight to one), so a free candidate is taken at once: nobody better could use it."""
-        free = [self.envs[u] for u in candidates if self.envs[u].free > 0]
+        attempts within it, `task` what it runs (see `add_env`). No live waiter ever wants a free
+        env (release hands each freed slot straight to one), so a free candidate is taken at once:
+        nobody better could use it. NoEnvLeft when no candidate is present and taking attempts."""
+        present = [self.envs[u] for u in candidates if u in self.envs]
+        free = [e for e in present if e.free > 0]
         if free:
             return self._grant(min(free, key=lambda e: e.held / e.pool), self._shares.get(share))
-        waiter = self._enqueue(candidates, priority, share)
+        if not any(not e.draining for e in present):
+            raise NoEnvLeft(f"no env takes attempts for it: {_named(candidates, self.envs)}")
+        waiter = self._enqueue([e.url for e in present], priority, share, task)
         try:
             return await waiter.future
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
-                self.release(waiter.future.result())  # granted just as we were cancelled
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(future.result())  # granted just as we were cancelled
             raise
         finally:
             if waiter.queued:  # cancelled while waiting: it only leaves the queue, O(1)
@@ -109,6 +129,10 @@ class WorldScheduler:
     def release(self, env: EnvSlots, held_seconds: float = 0.0) -> None:
         env.held -= 1
         env.busy_seconds += held_seconds
+        if env.draining:  # its slots go back to nobody
+            if env.held == 0 and env.emptied is not None:
+                env.emptied.set()
+            return
         waiter = self._next_waiter(env.url)
         if waiter is not None:
             self._leave(waiter)
@@ -122,22 +146,86 @@ class WorldScheduler:
             share.turn = next(self._tick)  # to the end of the round
         return env
 
-    def _enqueue(self, candidates: Sequence[str], priority: tuple, key: object) -> _Waiter:
+    # -- membership ---------------------------------------------------------------------------
+
+    def add_env(self, env: EnvSlots, tasks: Container[Hashable] = ()) -> None:
+        """Put a new env's slots in play: queued waiters whose `task` is in `tasks` may use it too,
+        and get its free slots now (in turn, as a release would hand them out)."""
+        if env.url in self.envs:
+            raise ValueError(f"env {env.url} is already scheduled")
+        self.envs[env.url] = env
+        self._lines[env.url] = []
+        for queued in self._live_waiters():
+            if queued.task is not None and queued.task in tasks:
+                queued.candidates += (env.url,)
+                self._push(queued, env.url, queued.entry)
+                self._live_entries += 1
+        while env.free > 0 and (waiter := self._next_waiter(env.url)) is not None:
+            self._leave(waiter)
+            waiter.future.set_result(self._grant(env, waiter.share))
+
+    def drain_env(self, url: str) -> EnvSlots:
+        """Grant no more slots of this env; the episodes holding one finish and release it."""
+        env = self.envs[url]
+        env.draining = True
+        if env.emptied is None:
+            env.emptied = asyncio.Event()
+        if env.held == 0:
+            env.emptied.set()
+        return env
+
+    def remove_env(self, url: str) -> None:
+        """Take a drained env with no slot held out. Waiters left with no candidate fail with
+        NoEnvLeft; the others wait on for the envs they have left."""
+        env = self.envs[url]
+        if not env.draining or env.held:
+            raise ValueError(f"env {url} must be drained and hold no slot to be removed ({env.held} held)")
+        orphans = []
+        for waiter in self._live_waiters():
+            if url in waiter.candidates:
+                waiter.candidates = tuple(u for u in waiter.candidates if u != url)
+                self._live_entries -= 1
+                if not waiter.candidates:
+                    orphans.append(waiter)
+        del self.envs[url]
+        del self._lines[url]
+        for share in self._shares.values():
+            share.heaps.pop(url, None)
+        for waiter in orphans:
+            self._leave(waiter)
+            waiter.future.set_exception(NoEnvLeft(f"env {url} was removed while the attempt waited for a world"))
+
+    def _live_waiters(self) -> list[_Waiter]:
+        """Every queued waiter once: O(heap entries), for the rare membership change."""
+        seen: dict[int, _Waiter] = {}
+        for share in self._shares.values():
+            for heap in share.heaps.values():
+                for _, _, waiter in heap:
+                    if not waiter.dead:
+                        seen.setdefault(id(waiter), waiter)
+        return list(seen.values())
+
+    def _enqueue(self, candidates: Sequence[str], priority: tuple, key: object, task: Hashable = None) -> _Waiter:
         share = self._shares.get(key)
         if share is None:
             share = self._shares[key] = _Share(key, next(self._seq), next(self._tick))
-        waiter = _Waiter(tuple(dict.fromkeys(candidates)), share, asyncio.get_running_loop().create_future())
-        entry = (priority, next(self._seq), waiter)
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(tuple(dict.fromkeys(candidates)), share, future, task)
+        waiter.entry = (priority, next(self._seq))
         for url in waiter.candidates:
-            heap = share.heaps.get(url)
-            if heap is None:
-                heap = share.heaps[url] = []
-                heapq.heappush(self._lines[url], (share.turn, share.order, share))
-            heapq.heappush(heap, entry)
+            self._push(waiter, url, waiter.entry)
         share.queued += 1
         self._waiting += 1
         self._live_entries += len(waiter.candidates)
         return waiter
+
+    def _push(self, waiter: _Waiter, url: str, entry: tuple[tuple, int]) -> None:
+        share = waiter.share
+        heap = share.heaps.get(url)
+        if heap is None:
+            heap = share.heaps[url] = []
+            heapq.heappush(self._lines[url], (share.turn, share.order, share))
+        heapq.heappush(heap, (*entry, waiter))
 
     def _leave(self, waiter: _Waiter) -> None:
         """The waiter was granted or cancelled: its heap entries die where they are."""
@@ -184,3 +272,9 @@ class WorldScheduler:
         for line in self._lines.values():
             heapq.heapify(line)
         self._dead_entries = 0
+
+
+def _named(candidates: Sequence[str], envs: dict[str, EnvSlots]) -> str:
+    if not candidates:
+        return "no env serves it"
+    return ", ".join(f"{u} ({'draining' if u in envs else 'removed'})" for u in candidates)

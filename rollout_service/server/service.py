@@ -16,13 +16,25 @@ from typing import Any, TypeVar
 from inference.client import ChatClient, Endpoint, InferenceError, InferenceUnreachable
 from inference.weights import WeightsClient
 
-from ..protocol import EnvContract, GroupRequest
+from ..protocol import (
+    EnvAdd,
+    EnvContract,
+    EnvRef,
+    EnvRemove,
+    EnvRemoved,
+    EnvState,
+    GroupRequest,
+    ReplicaAdd,
+    ReplicaRef,
+    ReplicaRemove,
+    ReplicaState,
+)
 from .config import ServiceConfig
 from .env_client import EnvClient, EnvError, EnvHealth, EnvTask, EnvUnreachable
-from .errors import RequestRefused, StartupError, shutting_down
+from .errors import IncomparableEnv, RequestRefused, StartupError, shutting_down
 from .health import BackendMonitor
 from .metrics import Metrics
-from .policy import PolicyManager
+from .policy import PolicyManager, replica_state
 from .runlog import RunLog
 from .runner import EnvHandle, GroupRunner, ModelRoute, RunnerConfig, TaskTarget
 from .scheduler import EnvSlots, WorldScheduler
@@ -91,6 +103,7 @@ class RolloutService:
         # Why start() gave up, once it has: /health says `failed` rather than `starting` forever.
         self.startup_failure: str | None = None
         self.started_waiting_reported = False
+        self._adding: set[str] = set()  # envs being added (POST /envs), not yet scheduled
 
     # -- start and stop ---------------------------------------------------------------------
 
@@ -130,6 +143,7 @@ class RolloutService:
         self.envs = dict(sorted(self.envs.items(), key=lambda item: order[item[0]]))
         for target in self.targets.values():
             target.envs.sort(key=lambda env: order[env.url])
+            target.contract = target.envs[0].contract
         slots = [env.slots for env in self.envs.values()]
         await self._probe_token_prompts()
         await self.versions.start()
@@ -144,7 +158,7 @@ class RolloutService:
             RunnerConfig(policy_stages=frozenset(self.config.policy_stage), max_staleness=self.config.max_staleness),
             self.versions,
         )
-        self.monitor = BackendMonitor(list(self.envs.values()), self.model_routes(), self.versions)
+        self.monitor = BackendMonitor(self.envs, self.model_routes(), self.versions)
         self.monitor.start()
 
     async def _report_waiting(self, say: Callable[[str], None], every_s: float = 10.0) -> None:
@@ -206,7 +220,7 @@ class RolloutService:
             await self.run_log.close()
         for _, route in self.model_routes():
             await route.client.aclose()
-        for env in self.envs.values():
+        for env in list(self.envs.values()):  # a removal finishing meanwhile changes the dict
             await env.client.aclose()
 
     def model_routes(self) -> list[tuple[str, ModelRoute]]:
@@ -219,100 +233,268 @@ class RolloutService:
     async def _discover(self, url: str, client: EnvClient) -> None:
         """Wait for the env at `url`, check it, and add it with its tasks (refusing at once an env
         whose rewards are not comparable with an env found before it, whatever else is awaited)."""
+        found = await self._until_ready(f"env {url}", functools.partial(_ask_env, url, client))
+        env = _checked_env(found, client)
+        self._refuse_incomparable(env, found.tasks)
+        self.envs[url] = env
+        self._index_tasks(env, found.tasks)
 
-        async def ask() -> _Discovered:
-            try:
-                # One question at a time: wait_for cancels the one in flight, so nothing is left
-                # asking a slow env behind the next try.
-                health = await client.health()
-                if health.status != "ready":
-                    raise _NotYet(f"status {health.status!r}, not 'ready'")
-                tasks = await client.tasks()
-            except EnvError as exc:
-                if isinstance(exc, EnvUnreachable):
-                    raise _NotYet(f"unreachable ({exc.message or exc})") from None
-                if (exc.status or 0) >= 500:
-                    raise _NotYet(str(exc)) from None
-                raise StartupError(f"env {url} does not speak the step contract: {exc}") from None
-            return _Discovered(url, health, tasks)
+    def _refuse_incomparable(self, env: EnvHandle, tasks: list[EnvTask]) -> None:
+        """IncomparableEnv if a task of `env` is served already with another dataset or reward version,
+        or its slug names another task already."""
+        for task in tasks:
+            named = self.by_slug.get(task.slug) if task.slug else None
+            if named is not None and named != task.task_id:
+                raise IncomparableEnv(
+                    f"env {env.url} names task {task.task_id} {task.slug!r}, the slug of task {named} served "
+                    f"by {', '.join(e.url for e in self.targets[named].envs)}: a slug must name one task"
+                )
+            target = self.targets.get(task.task_id)
+            if target is None:
+                continue
+            first = target.contract
+            if (first.catalog_hash, first.reward_version) != (env.contract.catalog_hash, env.contract.reward_version):
+                raise IncomparableEnv(
+                    f"task {task.task_id} is served by {target.envs[0].url if target.envs else first.urls[0]} "
+                    f"(dataset {first.catalog_hash}, reward {first.reward_version}) and by {env.url} "
+                    f"(dataset {env.contract.catalog_hash}, reward {env.contract.reward_version}): their rewards "
+                    "are not comparable; serve one dataset and reward version per service"
+                )
 
-        found = await self._until_ready(f"env {url}", ask)
-        drive_modes = found.health.capabilities.get("drive_modes")
-        if drive_modes is not None and "step" not in drive_modes:
-            raise StartupError(f"env {url} does not serve step mode (drive_modes={drive_modes}): start it with --step")
-        if not found.tasks:
-            raise StartupError(f"env {url} serves no task")
-        contract = EnvContract(
-            urls=[url],
-            catalog_hash=found.health.catalog_hash,
-            data_anchor=found.health.dataset.get("data_anchor"),
-            reward_version=found.health.reward_version,
-            reward_profile=found.health.reward_profile,
-            side=found.health.side,
-        )
-        self.envs[url] = EnvHandle(url, client, EnvSlots(url, found.health.pool), contract)
-        self._index_tasks(found)
-
-    def _index_tasks(self, found: _Discovered) -> None:
-        env = self.envs[found.url]
-        for task in found.tasks:
+    def _index_tasks(self, env: EnvHandle, tasks: list[EnvTask]) -> None:
+        for task in tasks:
             target = self.targets.get(task.task_id)
             self.task_info.setdefault(task.task_id, task)
             if target is None:
                 self.targets[task.task_id] = TaskTarget(task.task_id, task.slug, [env])
                 if task.slug:
                     self.by_slug[task.slug] = task.task_id
-                continue
-            first = target.envs[0].contract
-            if (first.catalog_hash, first.reward_version) != (env.contract.catalog_hash, env.contract.reward_version):
-                raise StartupError(
-                    f"task {task.task_id} is served by {first.urls[0]} (dataset {first.catalog_hash}, "
-                    f"reward {first.reward_version}) and by {env.url} (dataset {env.contract.catalog_hash}, "
-                    f"reward {env.contract.reward_version}): their rewards are not comparable; serve one "
-                    "dataset and reward version per service"
-                )
-            target.envs.append(env)
+            elif env not in target.envs:  # a task listed twice is served once
+                target.envs.append(env)
+
+    # -- membership: envs added, drained and removed while groups run ---------------------------
+
+    async def add_env(self, body: EnvAdd) -> EnvState:
+        """Schedule on one more env: it must answer ready within `timeout_s`, speak the step
+        contract and, for every task it shares with the envs present, have their dataset and reward
+        version. Queued attempts of its tasks may take its worlds at once."""
+        self.refuse_unless_ready()
+        assert self.scheduler is not None
+        url = body.url
+        if url in self.envs or url in self._adding:
+            state = "is draining: remove it first" if url in self.envs and self.envs[url].slots.draining else "is added"
+            raise RequestRefused(409, "env_present", f"env {url} {state}")
+        self._adding.add(url)
+        client = EnvClient(url)
+        try:
+            try:
+                found = await asyncio.wait_for(_ask_until_ready(url, client), body.timeout_s)
+                env = _checked_env(found, client)
+                self._refuse_incomparable(env, found.tasks)
+            except TimeoutError:
+                raise RequestRefused(
+                    504, "env_not_ready", f"env {url} did not answer ready within timeout_s={body.timeout_s:g}"
+                ) from None
+            except IncomparableEnv as exc:
+                raise RequestRefused(409, "env_incomparable", str(exc)) from None
+            except StartupError as exc:
+                raise RequestRefused(422, "env_refused", str(exc)) from None
+            if self.closing:
+                raise shutting_down()
+        except BaseException:
+            self._adding.discard(url)
+            await client.aclose()
+            raise
+        self._adding.discard(url)
+        self.envs[url] = env
+        self._index_tasks(env, found.tasks)
+        serves = {(t.task_id, True) for t in found.tasks}
+        if env.contract.side != "eval":
+            serves |= {(t.task_id, False) for t in found.tasks}
+        self.scheduler.add_env(env.slots, serves)
+        if self.monitor is not None:
+            self.monitor.watch_env(url)
+        log.warning("env %s added: pool %d, %d tasks", url, env.slots.pool, len(found.tasks))
+        return self.env_state(env)
+
+    def drain_env(self, body: EnvRef) -> EnvState:
+        """No new episode on this env; the ones on it finish. Attempts queued for it alone wait for
+        another env of their task (added later) or fail as env_no_world when it is removed."""
+        env = self._present_env(body.url)
+        assert self.scheduler is not None
+        self.scheduler.drain_env(env.url)
+        return self.env_state(env)
+
+    async def remove_env(self, body: EnvRemove) -> EnvRemoved:
+        """Drain the env, wait (up to `timeout_s`) until no episode holds a world on it, then forget
+        it. Episodes are never cut short: if some still run at the deadline the env stays draining
+        and the answer is 409 env_busy with how many."""
+        env = self._present_env(body.url)
+        assert self.scheduler is not None
+        slots = self.scheduler.drain_env(env.url)
+        assert slots.emptied is not None
+        if slots.held:
+            try:
+                await asyncio.wait_for(slots.emptied.wait(), body.timeout_s)
+            except TimeoutError:
+                raise RequestRefused(
+                    409,
+                    "env_busy",
+                    f"{slots.held} episodes still run on env {env.url} after timeout_s={body.timeout_s:g}; it stays "
+                    "draining (no new episode starts on it): remove it again later",
+                ) from None
+        if self.envs.get(env.url) is not env:  # removed by a concurrent call meanwhile
+            raise RequestRefused(404, "unknown_env", f"env {env.url} was removed meanwhile")
+        self.scheduler.remove_env(env.url)
+        del self.envs[env.url]
+        gone = []
+        for task_id, target in list(self.targets.items()):
+            if env in target.envs:
+                target.envs.remove(env)
+                if not target.envs:
+                    gone.append(task_id)
+                    del self.targets[task_id]
+                    self.task_info.pop(task_id, None)
+                    if self.by_slug.get(target.slug) == task_id:
+                        del self.by_slug[target.slug]
+        if self.monitor is not None:
+            self.monitor.forget_env(env.url)
+        await env.client.aclose()
+        log.warning("env %s removed; tasks no longer served: %d", env.url, len(gone))
+        return EnvRemoved(url=env.url, tasks_no_longer_served=gone)
+
+    def _present_env(self, url: str) -> EnvHandle:
+        self.refuse_unless_ready()
+        env = self.envs.get(url)
+        if env is None:
+            known = ", ".join(self.envs) or "none"
+            raise RequestRefused(404, "unknown_env", f"no env {url} is scheduled here; present: {known}")
+        return env
+
+    def env_state(self, env: EnvHandle) -> EnvState:
+        return EnvState(
+            url=env.url,
+            pool=env.slots.pool,
+            held=env.slots.held,
+            draining=env.slots.draining,
+            side=env.contract.side,
+            catalog_hash=env.contract.catalog_hash,
+            reward_version=env.contract.reward_version,
+            tasks=sum(env in t.envs for t in self.targets.values()),
+        )
 
     async def _check_models(self) -> None:
-        async def check(role: str, route: ModelRoute, endpoint: Endpoint) -> None:
-            async def ask() -> list[str]:
-                try:
-                    return await route.client.list_models(endpoint)
-                except InferenceUnreachable as exc:
-                    raise _NotYet(f"unreachable ({exc.detail})") from None
-                except InferenceError as exc:
-                    status = exc.status or 0
-                    if status >= 500 or status in (408, 429):  # starting, overloaded, rate-limited
-                        raise _NotYet(f"GET /v1/models answered {status}") from None
-                    if status in (401, 403):
-                        raise StartupError(
-                            f"model server {endpoint.url} answers GET /v1/models with {status}: it wants an API "
-                            "key (api-key-env=VAR of --model-endpoint, with VAR set in the service's environment)"
-                        ) from None
-                    raise StartupError(
-                        f"model server {endpoint.url} answers GET /v1/models with {status}: "
-                        "is it an OpenAI-compatible server?"
-                    ) from None
-                except ValueError as exc:  # not JSON, or not the list's shape
-                    raise StartupError(f"model server {endpoint.url}: {exc}") from None
-
-            async def ask_until_listed() -> list[str]:
-                models = await ask()
-                if not models:  # a router in front of replicas that have not registered yet
-                    raise _NotYet("GET /v1/models lists no model yet")
-                return models
-
-            models = await self._until_ready(f"model server {endpoint.url} ({role})", ask_until_listed)
-            if route.request_model not in models:
-                raise StartupError(
-                    f"model server {endpoint.url} serves {models}, not {route.request_model!r}: "
-                    "pass --model (or --support-model, or model= of --model-endpoint) "
-                    "with one of those names"
-                )
-
         await _all_or_none(
-            [check(role, route, endpoint) for role, route in self.model_routes() for endpoint in route.client.endpoints]
+            [
+                self._until_ready(
+                    f"model server {endpoint.url} ({role})", functools.partial(_ask_model, route, endpoint)
+                )
+                for role, route in self.model_routes()
+                for endpoint in route.client.endpoints
+            ]
         )
+
+    # -- membership: model server replicas added, drained and removed while groups run ----------
+
+    async def add_replica(self, body: ReplicaAdd) -> ReplicaState:
+        """Route to one more replica of the policy (or support) model. It must list the model
+        within `timeout_s`; a policy replica is routed to only once it serves the current version
+        (brought there like a restarted one: adapter loaded, full weights reloaded)."""
+        self.refuse_unless_ready()
+        route = self._route(body.role)
+        endpoint = route.client.new_endpoint(body.url)
+        if any(e.url == endpoint.url for e in route.client.endpoints) or endpoint.url in self._adding:
+            raise RequestRefused(409, "replica_present", f"{endpoint.url} is a {body.role} replica already")
+        self._adding.add(endpoint.url)
+        started = time.monotonic()
+        try:
+            models = await asyncio.wait_for(_ask_until_listed(route, endpoint), body.timeout_s)
+            if self.closing:
+                raise shutting_down()
+            if body.role == "policy":
+                await self.versions.join(endpoint, models)
+            else:
+                route.client.add(endpoint)
+        except TimeoutError:
+            raise RequestRefused(
+                504, "replica_not_ready", f"{body.url} did not list a model within timeout_s={body.timeout_s:g}"
+            ) from None
+        except StartupError as exc:
+            raise RequestRefused(422, "replica_refused", str(exc)) from None
+        finally:
+            self._adding.discard(endpoint.url)
+        if self.monitor is not None:
+            self.monitor.watch_model(body.role, endpoint.url)
+        log.warning("%s replica %s added", body.role, endpoint.url)
+        # Bringing a policy replica to the current version runs in the background: answer once it
+        # is routed, or at the deadline with the reason it is not (yet).
+        await route.client.until(
+            endpoint,
+            lambda: endpoint.excluded is None or endpoint not in route.client.endpoints,
+            body.timeout_s - (time.monotonic() - started),
+        )
+        return self._replica_state(body.role, endpoint)
+
+    def drain_replica(self, body: ReplicaRef) -> ReplicaState:
+        """No new turn to this replica: groups pinned there move at their next turn."""
+        route, endpoint = self._present_replica(body)
+        others = [e for e in route.client.endpoints if e is not endpoint and e.excluded is None]
+        if not others:
+            raise RequestRefused(
+                409,
+                "last_replica",
+                f"{endpoint.url} is the last {body.role} replica in routing: add one (and let it be routed) first",
+            )
+        route.client.drain(endpoint, "draining: no new turn goes to it")
+        return self._replica_state(body.role, endpoint)
+
+    async def remove_replica(self, body: ReplicaRemove) -> ReplicaState:
+        """Drain the replica, wait (up to `timeout_s`) for its turns in flight to end, forget it."""
+        route, endpoint = self._present_replica(body)
+        if body.role == "policy" and self.versions.paused:
+            raise RequestRefused(
+                409, "policy_paused", "the policy replicas are paused for a weight push: POST /policy first"
+            )
+        if not endpoint.draining:
+            self.drain_replica(body)
+        if not await route.client.until(endpoint, lambda: not endpoint.outstanding, body.timeout_s):
+            raise RequestRefused(
+                409,
+                "replica_busy",
+                f"{endpoint.outstanding} requests still run on {endpoint.url} after timeout_s={body.timeout_s:g}; "
+                "it stays draining: remove it again later",
+            )
+        if endpoint not in route.client.endpoints:
+            raise RequestRefused(404, "unknown_replica", f"{endpoint.url} was removed meanwhile")
+        state = self._replica_state(body.role, endpoint)
+        if body.role == "policy":
+            await self.versions.leave(endpoint)
+        else:
+            route.client.remove(endpoint)
+        if self.monitor is not None:
+            self.monitor.forget_model(body.role, endpoint.url)
+        log.warning("%s replica %s removed", body.role, endpoint.url)
+        return state
+
+    def _route(self, role: str) -> ModelRoute:
+        if role == "support":
+            if self.support is None:
+                raise RequestRefused(422, "no_support_model", "this service has no support model (--support-model)")
+            return self.support
+        return self.policy
+
+    def _present_replica(self, body: ReplicaRef) -> tuple[ModelRoute, Endpoint]:
+        self.refuse_unless_ready()
+        route = self._route(body.role)
+        url = route.client.new_endpoint(body.url).url  # as the client spells it (no /v1)
+        endpoint = next((e for e in route.client.endpoints if e.url == url), None)
+        if endpoint is None:
+            known = ", ".join(e.url for e in route.client.endpoints)
+            raise RequestRefused(404, "unknown_replica", f"no {body.role} replica {body.url} here; present: {known}")
+        return route, endpoint
+
+    def _replica_state(self, role: str, endpoint: Endpoint) -> ReplicaState:
+        return replica_state(endpoint, self.versions.serving.get(endpoint.url) if role == "policy" else None)
 
     async def _probe_token_prompts(self) -> None:
         for _, route in self.model_routes():
@@ -337,17 +519,23 @@ class RolloutService:
             raise RequestRefused(
                 404, "unknown_task", f"no environment serves a task with {name}; GET /tasks lists the served tasks"
             )
-        envs = target.envs
-        if not request.allow_eval_side and all(e.contract.side == "eval" for e in envs):
+        if not request.allow_eval_side and all(e.contract.side == "eval" for e in target.envs):
             raise RequestRefused(
                 409,
                 "eval_side",
                 f"task {target.task_id} is served only by an eval-side env "
-                f"({', '.join(e.url for e in envs)}): training on it leaks the held-out "
+                f"({', '.join(e.url for e in target.envs)}): training on it leaks the held-out "
                 "set. Set allow_eval_side: true if you mean to",
             )
-        if not request.allow_eval_side:
-            envs = [e for e in envs if e.contract.side != "eval"]
+        candidates = target.candidates(request.allow_eval_side)
+        if all(self.envs[url].slots.draining for url in candidates):
+            raise RequestRefused(
+                503,
+                "envs_draining",
+                f"every env serving task {target.task_id} is draining ({', '.join(candidates)}): add one "
+                "(POST /envs) or send it again later",
+                headers={"Retry-After": "5"},
+            )
         route = self.policy
         if request.model and request.model != self.policy.model:
             named = self.named.get(request.model)
@@ -366,7 +554,7 @@ class RolloutService:
                 "token_prompts_unsupported",
                 f"tokens=exact, but {route.model}'s server cannot take token prompts ({why}): send tokens: chat",
             )
-        return TaskTarget(target.task_id, target.slug, envs), route
+        return target, route
 
     def admit(self, requests: list[GroupRequest]) -> list[tuple[TaskTarget, ModelRoute]]:
         """Check every request before any work starts, and the cap on queued attempts."""
@@ -450,7 +638,8 @@ class RolloutService:
         if self.monitor is None:
             return "failed" if self.startup_failure else "starting"
         ok = self.monitor.all_ok() and (self.run_log is None or self.run_log.error is None)
-        ok = ok and all(e.excluded is None for e in self.policy.client.endpoints) and not self.versions.paused
+        routed = all(e.excluded is None or e.draining for e in self.policy.client.endpoints)
+        ok = ok and routed and not self.versions.paused
         return "ok" if ok else "degraded"
 
     @property
@@ -499,6 +688,7 @@ class RolloutService:
                 "pool": env.slots.pool,
                 "held": env.slots.held,
                 "max_held": env.slots.max_held,
+                "draining": env.slots.draining,
                 "side": env.contract.side,
                 "busy_world_seconds": round(env.slots.busy_seconds, 3),
             }
@@ -550,6 +740,96 @@ class RolloutService:
             "models": models,
             "policy": self.versions.state().model_dump(),
         }
+
+
+async def _ask_model(route: ModelRoute, endpoint: Endpoint) -> list[str]:
+    """The models a replica lists (at least one), or _NotYet while it is not up; StartupError for
+    what waiting cannot fix (not OpenAI-compatible, a key wanted, another model served)."""
+    try:
+        models = await route.client.list_models(endpoint)
+    except InferenceUnreachable as exc:
+        raise _NotYet(f"unreachable ({exc.detail})") from None
+    except InferenceError as exc:
+        status = exc.status or 0
+        if status >= 500 or status in (408, 429):  # starting, overloaded, rate-limited
+            raise _NotYet(f"GET /v1/models answered {status}") from None
+        if status in (401, 403):
+            raise StartupError(
+                f"model server {endpoint.url} answers GET /v1/models with {status}: it wants an API "
+                "key (api-key-env=VAR of --model-endpoint, with VAR set in the service's environment)"
+            ) from None
+        raise StartupError(
+            f"model server {endpoint.url} answers GET /v1/models with {status}: is it an OpenAI-compatible server?"
+        ) from None
+    except ValueError as exc:  # not JSON, or not the list's shape
+        raise StartupError(f"model server {endpoint.url}: {exc}") from None
+    if not models:  # a router in front of replicas that have not registered yet
+        raise _NotYet("GET /v1/models lists no model yet")
+    if route.request_model not in models:
+        raise StartupError(
+            f"model server {endpoint.url} serves {models}, not {route.request_model!r}: "
+            "pass --model (or --support-model, or model= of --model-endpoint) with one of those names"
+        )
+    return models
+
+
+async def _ask_until_listed(route: ModelRoute, endpoint: Endpoint) -> list[str]:
+    """_ask_model until it answers (a replica added at runtime: the caller bounds the whole wait)."""
+    return await _again_until_ready(functools.partial(_ask_model, route, endpoint))
+
+
+async def _ask_env(url: str, client: EnvClient) -> _Discovered:
+    """The env's health and tasks, or _NotYet while it is not up (or not ready) yet."""
+    try:
+        # One question at a time: wait_for cancels the one in flight, so nothing is left asking a
+        # slow env behind the next try.
+        health = await client.health()
+        if health.status != "ready":
+            raise _NotYet(f"status {health.status!r}, not 'ready'")
+        tasks = await client.tasks()
+    except EnvError as exc:
+        if isinstance(exc, EnvUnreachable):
+            raise _NotYet(f"unreachable ({exc.message or exc})") from None
+        if (exc.status or 0) >= 500:
+            raise _NotYet(str(exc)) from None
+        raise StartupError(f"env {url} does not speak the step contract: {exc}") from None
+    return _Discovered(url, health, tasks)
+
+
+async def _ask_until_ready(url: str, client: EnvClient) -> _Discovered:
+    """_ask_env until it answers (an env added at runtime: the caller bounds the whole wait)."""
+    return await _again_until_ready(functools.partial(_ask_env, url, client))
+
+
+async def _again_until_ready(ask: Callable[[], Awaitable[T]]) -> T:
+    """Ask until an answer that is not _NotYet, each try bounded, backing off 0.25 s to 5 s."""
+    delay = 0.25
+    while True:
+        try:
+            return await asyncio.wait_for(ask(), _ASK_TIMEOUT_S)
+        except (_NotYet, TimeoutError):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _checked_env(found: _Discovered, client: EnvClient) -> EnvHandle:
+    """The env as the scheduler and runner see it, or StartupError if it cannot serve episodes."""
+    drive_modes = found.health.capabilities.get("drive_modes")
+    if drive_modes is not None and "step" not in drive_modes:
+        raise StartupError(
+            f"env {found.url} does not serve step mode (drive_modes={drive_modes}): start it with --step"
+        )
+    if not found.tasks:
+        raise StartupError(f"env {found.url} serves no task")
+    contract = EnvContract(
+        urls=[found.url],
+        catalog_hash=found.health.catalog_hash,
+        data_anchor=found.health.dataset.get("data_anchor"),
+        reward_version=found.health.reward_version,
+        reward_profile=found.health.reward_profile,
+        side=found.health.side,
+    )
+    return EnvHandle(found.url, client, EnvSlots(found.url, found.health.pool), contract)
 
 
 async def _all_or_none(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:

@@ -1,4 +1,4 @@
-"""`rollout-service`: serve, demo, up, vllm."""
+"""`rollout-service`: serve, demo, up, vllm, export, measure, loadtest, ray."""
 
 from __future__ import annotations
 
@@ -350,6 +350,78 @@ def _loadtest(args: argparse.Namespace) -> int:
     return 0 if report["groups"] else 1
 
 
+def _add_ray(sub) -> None:
+    p = sub.add_parser(
+        "ray",
+        help="run the stack on a Ray cluster: up, scale, status, down (needs the `ray` extra)",
+        description="Place vLLM replicas, env servers and the service on an existing Ray cluster as named, "
+        "detached actors (see the README's Cluster section). Each command connects to the cluster at "
+        "--address, else $RAY_ADDRESS, else the local one.",
+    )
+    actions = p.add_subparsers(dest="action", required=True)
+    for name, text in (
+        ("up", "start every piece the config names that is not running; the service last, wired to the others"),
+        ("status", "each piece with its node, process and health, as JSON"),
+        ("down", "stop every piece, the service first"),
+        ("scale", "run N replicas or envs: new ones join the service, removed ones are drained first"),
+    ):
+        a = actions.add_parser(name, help=text, description=text)
+        a.add_argument("--config", required=True, metavar="FILE", help="the cluster's YAML file")
+        a.add_argument("--address", metavar="ADDR", help="the Ray cluster (default: $RAY_ADDRESS, else local)")
+        if name == "scale":
+            a.add_argument("--envs", type=int, metavar="N", help="run N env servers")
+            a.add_argument("--replicas", type=int, metavar="N", help="run N policy replicas")
+            a.add_argument(
+                "--timeout", type=float, default=600.0, metavar="SECONDS", help="how long a removal may wait"
+            )
+
+
+def _ray(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        from ..cluster import deploy
+        from ..cluster.config import ConfigError, load_config
+    except ImportError as exc:
+        print(f"rollout-service ray: {exc}: install the extra, pip install 'rollout-service[ray]'", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"rollout-service ray: {exc}", file=sys.stderr)
+        return 2
+    if args.action == "scale" and args.envs is None and args.replicas is None:
+        print("rollout-service ray scale: give --envs N and/or --replicas N", file=sys.stderr)
+        return 2
+    if args.action == "scale" and min(n for n in (args.envs, args.replicas, 1) if n is not None) < 0:
+        print("rollout-service ray scale: counts cannot be negative", file=sys.stderr)
+        return 2
+    if args.action == "scale" and args.replicas == 0:
+        print("rollout-service ray scale: the service needs at least one replica", file=sys.stderr)
+        return 2
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        deploy.connect(config, args.address)
+        if args.action == "up":
+            print(json.dumps(deploy.up(config, say), indent=2))
+        elif args.action == "status":
+            print(json.dumps(deploy.status(config), indent=2))
+        elif args.action == "down":
+            say(f"{deploy.down(config, say)} pieces stopped")
+        else:
+            if args.replicas is not None:
+                deploy.scale(config, "replica", args.replicas, say, args.timeout)
+            if args.envs is not None:
+                deploy.scale(config, "env", args.envs, say, args.timeout)
+    except deploy.ClusterError as exc:
+        print(f"rollout-service ray {args.action}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollout-service", description="vLLM-backed rollout service for RL post-training of agents"
@@ -362,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_measure(sub)
     _add_loadtest(sub)
+    _add_ray(sub)
     return parser
 
 
@@ -375,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": _export,
         "measure": _measure,
         "loadtest": _loadtest,
+        "ray": _ray,
     }
     return commands[args.command](args)
 

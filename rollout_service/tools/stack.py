@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -89,6 +90,15 @@ def start_embedded_vllm(
     return proc
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG), so that a
+    keeper killed hard (a Ray actor's worker) leaves no server behind."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
 class StackError(Exception):
     """A process of the stack did not start; the message says which and shows its log's tail."""
 
@@ -102,6 +112,7 @@ class ManagedProcess:
     log_path: Path
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
+    die_with_parent: bool = False  # Linux: the kernel kills it when the starting process dies
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +124,7 @@ class ManagedProcess:
             stdin=subprocess.DEVNULL,
             env=self.env,
             start_new_session=True,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         log.close()
 

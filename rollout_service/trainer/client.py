@@ -20,7 +20,22 @@ from typing import Any
 
 import httpx
 
-from ..protocol import GroupRequest, GroupResult, PolicyState, PolicyUpdate, PolicyUpdateResult
+from ..protocol import (
+    EnvAdd,
+    EnvRef,
+    EnvRemove,
+    EnvRemoved,
+    EnvState,
+    GroupRequest,
+    GroupResult,
+    PolicyState,
+    PolicyUpdate,
+    PolicyUpdateResult,
+    ReplicaAdd,
+    ReplicaRef,
+    ReplicaRemove,
+    ReplicaState,
+)
 
 __all__ = [
     "RolloutClient",
@@ -252,7 +267,54 @@ class RolloutClient(_BaseClient):
         self._raise_for(response)
         return PolicyState.model_validate_json(response.content)
 
-    def _get(self, path: str) -> dict:
+    def envs(self) -> list[EnvState]:
+        """The envs the service schedules on: pool, worlds held, draining or not."""
+        return [EnvState.model_validate(e) for e in self._get("/envs")]
+
+    def add_env(self, url: str, *, timeout_s: float = 60.0) -> EnvState:
+        """Schedule on one more env server (it must match the dataset and reward version of the
+        envs serving the same tasks: RequestRejected env_incomparable otherwise)."""
+        response = self._http.post("/envs", json=EnvAdd(url=url, timeout_s=timeout_s).model_dump(), timeout=None)
+        self._raise_for(response)
+        return EnvState.model_validate_json(response.content)
+
+    def drain_env(self, url: str) -> EnvState:
+        """Start no new episode on the env; the ones on it finish."""
+        response = self._http.post("/envs/drain", json=EnvRef(url=url).model_dump())
+        self._raise_for(response)
+        return EnvState.model_validate_json(response.content)
+
+    def remove_env(self, url: str, *, timeout_s: float = 300.0) -> EnvRemoved:
+        """Drain the env, wait up to `timeout_s` for its episodes to finish, then stop scheduling on
+        it (RequestRejected env_busy if some still run then: it stays draining)."""
+        body = EnvRemove(url=url, timeout_s=timeout_s).model_dump()
+        response = self._http.post("/envs/remove", json=body, timeout=None)
+        self._raise_for(response)
+        return EnvRemoved.model_validate_json(response.content)
+
+    def add_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
+        """Route to one more model server replica; a policy one once it serves the current version
+        (`routed` says whether it does by `timeout_s`)."""
+        body = ReplicaAdd.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
+        response = self._http.post("/replicas", json=body, timeout=None)
+        self._raise_for(response)
+        return ReplicaState.model_validate_json(response.content)
+
+    def drain_replica(self, url: str, *, role: str = "policy") -> ReplicaState:
+        """Send no new turn to the replica; groups pinned there move at their next turn."""
+        body = ReplicaRef.model_validate({"url": url, "role": role}).model_dump()
+        response = self._http.post("/replicas/drain", json=body)
+        self._raise_for(response)
+        return ReplicaState.model_validate_json(response.content)
+
+    def remove_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
+        """Drain the replica, wait up to `timeout_s` for its requests in flight, stop routing to it."""
+        body = ReplicaRemove.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
+        response = self._http.post("/replicas/remove", json=body, timeout=None)
+        self._raise_for(response)
+        return ReplicaState.model_validate_json(response.content)
+
+    def _get(self, path: str) -> Any:
         response = self._http.get(path)
         self._raise_for(response)
         return response.json()
@@ -325,7 +387,45 @@ class AsyncRolloutClient(_BaseClient):
         self._raise_for(response)
         return PolicyState.model_validate_json(response.content)
 
-    async def _get(self, path: str) -> dict:
+    async def envs(self) -> list[EnvState]:
+        return [EnvState.model_validate(e) for e in await self._get("/envs")]
+
+    async def add_env(self, url: str, *, timeout_s: float = 60.0) -> EnvState:
+        body = EnvAdd(url=url, timeout_s=timeout_s).model_dump()
+        response = await self._http.post("/envs", json=body, timeout=None)
+        self._raise_for(response)
+        return EnvState.model_validate_json(response.content)
+
+    async def drain_env(self, url: str) -> EnvState:
+        response = await self._http.post("/envs/drain", json=EnvRef(url=url).model_dump())
+        self._raise_for(response)
+        return EnvState.model_validate_json(response.content)
+
+    async def remove_env(self, url: str, *, timeout_s: float = 300.0) -> EnvRemoved:
+        body = EnvRemove(url=url, timeout_s=timeout_s).model_dump()
+        response = await self._http.post("/envs/remove", json=body, timeout=None)
+        self._raise_for(response)
+        return EnvRemoved.model_validate_json(response.content)
+
+    async def add_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
+        body = ReplicaAdd.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
+        response = await self._http.post("/replicas", json=body, timeout=None)
+        self._raise_for(response)
+        return ReplicaState.model_validate_json(response.content)
+
+    async def drain_replica(self, url: str, *, role: str = "policy") -> ReplicaState:
+        body = ReplicaRef.model_validate({"url": url, "role": role}).model_dump()
+        response = await self._http.post("/replicas/drain", json=body)
+        self._raise_for(response)
+        return ReplicaState.model_validate_json(response.content)
+
+    async def remove_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
+        body = ReplicaRemove.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
+        response = await self._http.post("/replicas/remove", json=body, timeout=None)
+        self._raise_for(response)
+        return ReplicaState.model_validate_json(response.content)
+
+    async def _get(self, path: str) -> Any:
         response = await self._http.get(path)
         self._raise_for(response)
         return response.json()

@@ -1,0 +1,117 @@
+"""The cluster's YAML file (`rollout-service ray up --config FILE`), validated field by field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from inference import embedded_model
+
+Kind = Literal["replica", "env", "service"]
+
+
+class PieceSpec(BaseModel):
+    """Where and how the pieces of one kind run. Piece i listens on `port + i` on its node."""
+
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(1, ge=0, le=256, description="how many to run")
+    port: int = Field(ge=1, le=65535, description="the first one's port; piece i listens on port + i")
+    command: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="the server's command line, with {host} and {port} filled in on its node; "
+        "none: the built-in server",
+    )
+    ready_path: str = Field(pattern=r"^/", description="answers 200 once the server is up")
+    startup_timeout_s: float = Field(gt=0, le=7200, description="how long it may take to answer ready_path")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs each reserves")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs each reserves")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each reserves")
+    max_restarts: int = Field(3, ge=-1, description="times Ray restarts one that died (-1: always)")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the server")
+
+
+class ReplicaSpec(PieceSpec):
+    """Model server replicas serving the policy; built-in: the embedded default model on CPU vLLM."""
+
+    port: int = Field(8000, ge=1, le=65535)
+    ready_path: str = Field("/v1/models", pattern=r"^/")
+    startup_timeout_s: float = Field(900.0, gt=0, le=7200)
+    kv_cache_gib: int = Field(3, ge=1, description="the built-in server's KV cache (CPU build)")
+
+
+class EnvSpec(PieceSpec):
+    """Env servers speaking the step contract; built-in: refenv."""
+
+    port: int = Field(8090, ge=1, le=65535)
+    ready_path: str = Field("/health", pattern=r"^/")
+    startup_timeout_s: float = Field(120.0, gt=0, le=7200)
+    pool: int = Field(2, ge=1, description="the built-in refenv's pool (worlds at once)")
+    args: list[str] = Field(default_factory=list, description="extra flags for the built-in `refenv serve`")
+
+
+class ServiceSpec(PieceSpec):
+    """The rollout service: one, wired to every replica and env."""
+
+    count: int = Field(1, ge=1, le=1)
+    port: int = Field(8080, ge=1, le=65535)
+    ready_path: str = Field("/health", pattern=r"^/")
+    startup_timeout_s: float = Field(600.0, gt=0, le=7200)
+    args: list[str] = Field(default_factory=list, description="extra flags for `rollout-service serve`")
+    api_key_env: str | None = Field(
+        None, description="the variable holding the service's API key (--api-key-env), read by ray scale too"
+    )
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    namespace: str = Field(
+        "rollout-service", pattern=r"^[A-Za-z0-9_.-]+$", description="the Ray namespace the pieces are named in"
+    )
+    model: str = Field(embedded_model.MODEL_NAME, min_length=1, description="the policy's served model name")
+    logs_dir: str = Field("/tmp/rollout-service-ray", description="each node writes its pieces' logs here")
+    replicas: ReplicaSpec = Field(default_factory=ReplicaSpec)
+    envs: EnvSpec = Field(default_factory=EnvSpec)
+    service: ServiceSpec = Field(default_factory=ServiceSpec)
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> ClusterConfig:
+        ranges = [
+            (kind, spec.port, spec.port + max(spec.count, 1) - 1)
+            for kind, spec in (("replicas", self.replicas), ("envs", self.envs), ("service", self.service))
+        ]
+        for i, (a, lo_a, hi_a) in enumerate(ranges):
+            for b, lo_b, hi_b in ranges[i + 1 :]:
+                if lo_a <= hi_b and lo_b <= hi_a:
+                    raise ValueError(f"{a} ports {lo_a}-{hi_a} overlap {b} ports {lo_b}-{hi_b}: move one port")
+        return self
+
+    def spec(self, kind: Kind) -> PieceSpec:
+        return {"replica": self.replicas, "env": self.envs, "service": self.service}[kind]
+
+
+class ConfigError(Exception):
+    """The config file cannot be used; the message names each field that is wrong."""
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings at the top, got {type(data).__name__}")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [
+            f"  {'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}"
+            for err in exc.errors(include_url=False)
+        ]
+        raise ConfigError(f"{path}: {len(lines)} field(s) to fix:\n" + "\n".join(lines)) from None

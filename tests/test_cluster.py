@@ -1,0 +1,228 @@
+"""The stack on a real two-node Ray cluster on this machine (`rollout-service ray up|scale|status|down`).
+
+The test starts the cluster itself: a head node with the custom resource `node_a` and one CPU (the
+embedded vLLM replica asks for both, so it lands there) and a worker node with `node_b` (refenv
+and the service ask for it). Oracles: Ray's own view of its nodes (which node holds which
+resource), the env's own counters and processes seen from outside (/proc), never the deployment's
+bookkeeping alone. Bounded in time: each command and wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import assert_accounted, assert_env_accounted, cli, wait_until
+
+from inference import embedded_model
+from rollout_service.tools.stack import free_port, port_in_use
+
+pytest.importorskip("ray", reason="ray is not installed (the `ray` extra; `make test` installs it)")
+
+SAMPLING = {"temperature": 0.8, "max_tokens": 24}
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_ports(count: int) -> int:
+    """A base port with `count` free ports from it (pieces of a kind listen on base + i)."""
+    for _ in range(200):
+        base = random.randrange(42000, 48000)
+        if not any(port_in_use(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": temp, "RAY_USAGE_STATS_ENABLED": "0"}
+    address = f"127.0.0.1:{free_port()}"
+    common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+    head = [RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=1", '--resources={"node_a": 1}']
+    head += ["--min-worker-port=30000", "--max-worker-port=30999", "--include-dashboard=false", *common]
+    worker = [RAY, "start", f"--address={address}", "--num-cpus=2", '--resources={"node_b": 1}']
+    worker += ["--min-worker-port=31000", "--max-worker-port=31999", *common]
+    try:
+        for cmd in (head, worker):
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        yield address, env
+    finally:
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def ray_cli(address: str, env: dict, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return cli("ray", *args, "--address", address, timeout=timeout, env=env)
+
+
+def node_resources(address: str, env: dict) -> dict[str, dict]:
+    """Ray's own view: each node's resources, by node id (a driver of its own, in a child process)."""
+    code = (
+        "import json, os, ray; ray.init(address=os.environ['RAY_ADDRESS'], logging_level=40, log_to_driver=False); "
+        "print(json.dumps({n['NodeID']: n['Resources'] for n in ray.nodes() if n['Alive']}))"
+    )
+    env = {**env, "RAY_ADDRESS": address}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")  # a zombie has released everything; only its exit status is left
+
+
+class Deployment:
+    def __init__(self, address: str, env: dict, config: Path) -> None:
+        self.address, self.env, self.config = address, env, config
+
+    def run(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return ray_cli(self.address, self.env, *args, "--config", str(self.config), timeout=timeout)
+
+    def status(self) -> dict[str, dict]:
+        done = self.run("status", timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return {p["name"]: p for p in json.loads(done.stdout)["pieces"]}
+
+    @property
+    def service(self) -> str:
+        return self.status()["service-0"]["url"]
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, tmp_path_factory):
+    address, env = ray_cluster
+    folder = tmp_path_factory.mktemp("cluster")
+    replica, envs, service = free_ports(1), free_ports(3), free_ports(1)
+    config = folder / "cluster.yaml"
+    config.write_text(
+        f"""
+namespace: test-{random.randrange(1 << 30):x}
+model: {embedded_model.MODEL_NAME}
+logs_dir: {folder / "logs"}
+replicas: {{count: 1, port: {replica}, num_cpus: 1, resources: {{node_a: 1}}, kv_cache_gib: 1}}
+envs: {{count: 1, port: {envs}, pool: 2, num_cpus: 0, resources: {{node_b: 0.1}}, max_restarts: 3}}
+service: {{port: {service}, num_cpus: 0, resources: {{node_b: 0.1}}}}
+"""
+    )
+    deployed = Deployment(address, env, config)
+    up = deployed.run("up")
+    try:
+        assert up.returncode == 0, up.stderr[-4000:]
+        deployed.up = json.loads(up.stdout)
+        yield deployed
+    finally:
+        deployed.run("down", timeout=300)
+
+
+def post_group(service: str, body: dict, timeout: float = 300) -> dict:
+    answer = httpx.post(f"{service}/groups", json=body, timeout=timeout)
+    assert answer.status_code == 200, answer.text
+    group = answer.json()
+    assert_accounted(group)
+    return group
+
+
+def test_up_places_each_piece_on_its_node_and_groups_score(deployment):
+    pieces = {p["name"]: p for p in deployment.up["pieces"]}
+    assert set(pieces) == {"replica-0", "env-0", "service-0"}
+    assert all(p["alive"] and p["healthy"] for p in pieces.values()), pieces
+    nodes = node_resources(deployment.address, deployment.env)
+    assert "node_a" in nodes[pieces["replica-0"]["node_id"]], "the replica asked for node_a"
+    assert "node_b" in nodes[pieces["env-0"]["node_id"]] and "node_b" in nodes[pieces["service-0"]["node_id"]]
+    group = post_group(pieces["service-0"]["url"], {"task_id": "t001", "n": 2, "sampling": SAMPLING})
+    assert group["counts"]["scored"] == 2 and group["env"]["urls"] == [pieces["env-0"]["url"]]
+    assert {t["endpoint"] for a in group["attempts"] for t in a["turns"]} == {pieces["replica-0"]["url"]}
+
+
+def test_a_killed_env_is_restarted_by_ray_and_taken_back(deployment):
+    """Break tried: the actor not exiting when its server dies (the watcher thread not started) ->
+    Ray never restarts it and the env stays down (fails at `restarted`)."""
+    before = deployment.status()
+    env, service = before["env-0"], before["service-0"]["url"]
+    answers: list[dict] = []
+    body = {"task_id": "t002", "n": 2, "retries": 0, "sampling": SAMPLING}
+    group = threading.Thread(target=lambda: answers.append(post_group(service, body)))
+    group.start()
+    try:
+        assert wait_until(lambda: httpx.get(f"{env['url']}/health", timeout=5).json()["leased"] > 0, 60)
+        os.kill(env["pid"], signal.SIGKILL)
+    finally:
+        group.join(300)
+    kinds = [a["failure"]["kind"] if a["failure"] else a["status"] for a in answers[0]["attempts"]]
+    assert all(a["status"] == "env_failure" for a in answers[0]["attempts"]), kinds  # both were in flight
+
+    def restarted() -> bool:
+        now = deployment.status()["env-0"]
+        return now.get("healthy", False) and now["pid"] != env["pid"]
+
+    assert wait_until(restarted, 120, every_s=2), "restarted"
+
+    def taken_back() -> bool:
+        detail = httpx.get(f"{service}/health/detail", timeout=10).json()
+        return all(e["ok"] for e in detail["envs"]) and detail["status"] == "ok"
+
+    assert wait_until(taken_back, 60, every_s=1)
+    again = post_group(service, {"task_id": "t003", "n": 2, "sampling": SAMPLING})
+    assert again["counts"]["scored"] == 2
+    detail = httpx.get(f"{service}/health/detail", timeout=10).json()
+    assert [e["held"] for e in detail["envs"]] == [0], "a world slot leaked"
+    health = httpx.get(f"{env['url']}/health", timeout=10).json()
+    assert health["leased"] == 0
+    assert_env_accounted(health)
+
+
+def test_scaling_envs_up_and_down_while_groups_run_loses_nothing(deployment):
+    service = deployment.service
+    groups = [{"task_id": f"t01{i}", "n": 2, "retries": 0, "sampling": SAMPLING} for i in range(4)]
+    lines: list[dict] = []
+
+    def batch() -> None:
+        with httpx.stream("POST", f"{service}/groups/batch", json={"groups": groups}, timeout=600) as answer:
+            lines.extend(json.loads(line) for line in answer.iter_lines() if line.strip())
+
+    runner = threading.Thread(target=batch)
+    runner.start()
+    try:
+        up = deployment.run("scale", "--envs", "2", timeout=300)
+        assert up.returncode == 0, up.stderr[-3000:]
+        envs = httpx.get(f"{service}/envs", timeout=10).json()
+        assert len(envs) == 2 and all(e["pool"] == 2 for e in envs)
+        added = deployment.status()["env-1"]["url"]
+        down = deployment.run("scale", "--envs", "1", timeout=600)
+        assert down.returncode == 0, down.stderr[-3000:]
+        assert [e["url"] for e in httpx.get(f"{service}/envs", timeout=10).json()] != [added]
+    finally:
+        runner.join(600)
+    assert len(lines) == 4 and all("group" in line for line in lines), lines
+    for line in lines:
+        assert_accounted(line["group"])
+        assert line["group"]["counts"]["scored"] == 2, line["group"]["attempts"]  # nothing lost, nothing cut short
+    assert "env-1" not in deployment.status()
+    (left,) = httpx.get(f"{service}/health/detail", timeout=10).json()["envs"]
+    assert left["max_held"] <= left["pool"] and left["held"] == 0
+
+
+def test_down_leaves_no_process_of_the_stack(deployment):
+    pieces = deployment.status()
+    pids = [p[key] for p in pieces.values() for key in ("pid", "actor_pid") if p.get(key)]
+    assert len(pids) == 6, pieces
+    done = deployment.run("down", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert wait_until(lambda: all(process_gone(pid) for pid in pids), 60), [p for p in pids if not process_gone(p)]
+    assert deployment.status() == {}
+    assert not any(port_in_use(int(p["url"].rsplit(":", 1)[1])) for p in pieces.values())

@@ -1,0 +1,276 @@
+"""Envs added, drained and removed while groups run (POST /envs, /envs/drain, /envs/remove).
+
+Real refenv servers over HTTP; their own counters are the oracle (worlds leased at most, resets that
+had to wait for a world, episodes started, finished and abandoned). The model is the scripted
+stand-in (tests/scripted_model.py, `sql-then-answer` with a delay): every episode takes two turns of
+a known length, so groups are certainly still running when the membership changes; what is under
+test is the service's scheduling, not the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import wait_until
+
+from rollout_service.trainer.client import BatchItem, RequestRejected, RolloutClient
+
+SAMPLING = {"temperature": 0.8, "max_tokens": 24}
+
+
+def detail(service) -> dict:
+    return httpx.get(f"{service.url}/health/detail", timeout=10).json()
+
+
+def test_an_env_added_under_load_takes_queued_attempts_and_removing_it_cuts_nothing_short(
+    start_refenv, start_service, start_scripted_model
+):
+    """Break tried: the scheduler's add_env not handing the new env to queued attempts -> env b never
+    leases a world while the batch waits (fails at `b takes queued attempts`)."""
+    model = start_scripted_model("sql-then-answer", "--sql-turns", "1", "--delay", "0.3")
+    a = start_refenv("--pool", "2")
+    b = start_refenv("--pool", "3")
+    other_data = start_refenv("--pool", "1", "--seed", "1")  # same task ids, another dataset
+    service = start_service([a.url], vllm=model.url, model="scripted")
+    groups = [{"task_id": f"t00{i}", "n": 4, "retries": 0, "sampling": SAMPLING} for i in range(1, 7)]
+    items: list[BatchItem] = []
+    with RolloutClient(service.url, timeout_s=120) as client:
+        batch = threading.Thread(target=lambda: items.extend(RolloutClient(service.url, timeout_s=120).groups(groups)))
+        batch.start()
+        try:
+            assert wait_until(lambda: a.health()["leased"] == 2 and detail(service)["attempts_waiting_for_a_world"], 20)
+            added = client.add_env(b.url)
+            assert added.pool == 3 and not added.draining
+            assert wait_until(lambda: b.health()["leased"] > 0, 10), "b takes queued attempts"
+
+            with pytest.raises(RequestRejected) as refused:
+                client.add_env(other_data.url)
+            assert refused.value.status == 409 and refused.value.error == "env_incomparable"
+            assert "not comparable" in refused.value.message
+            assert other_data.health()["episodes"]["started"] == 0
+
+            assert detail(service)["attempts_waiting_for_a_world"] > 0, "the batch still runs as b is removed"
+            removed = client.remove_env(b.url, timeout_s=60)
+            assert removed.url == b.url and removed.tasks_no_longer_served == []  # a serves them all
+            after = b.health()
+            # Removed only once its episodes were over, and none was cut short.
+            assert after["leased"] == 0 and after["live_episodes"] == 0
+            assert after["episodes"]["abandoned"] == 0 and after["episodes"]["started"] > 0
+            assert after["episodes"]["started"] == after["episodes"]["finished"]
+            assert [e.url for e in client.envs()] == [a.url]
+        finally:
+            batch.join(120)
+    assert not batch.is_alive()
+    assert len(items) == 6 and all(item.group is not None for item in items), [item.error for item in items]
+    assert all(item.group.counts.scored == 4 for item in items if item.group), "an attempt was lost"
+    final_b, final_a = b.health(), a.health()
+    assert final_b["episodes"]["started"] == after["episodes"]["started"], "an episode started on b after removal"
+    assert final_a["episodes"]["started"] + final_b["episodes"]["started"] == 24  # each attempt ran once
+    # The pool cap followed the membership: never more worlds than each env's pool asked for.
+    assert final_a["max_leased"] <= 2 and final_b["max_leased"] <= 3
+    assert final_a["max_waiting"] == 0 and final_b["max_waiting"] == 0
+
+
+def test_removing_the_only_env_of_its_tasks_fails_queued_attempts_and_abandons_nothing(
+    start_refenv, start_service, start_scripted_model
+):
+    """Break tried: the scheduler's remove_env leaving the orphaned waiters queued -> the group never
+    answers (fails at the join)."""
+    model = start_scripted_model("sql-then-answer", "--sql-turns", "1", "--delay", "0.5")
+    a = start_refenv("--pool", "1")
+    service = start_service([a.url], vllm=model.url, model="scripted")
+    answers: list[httpx.Response] = []
+    body = {"task_id": "t001", "n": 3, "retries": 0, "sampling": SAMPLING}
+    group = threading.Thread(target=lambda: answers.append(httpx.post(f"{service.url}/groups", json=body, timeout=120)))
+    group.start()
+    with RolloutClient(service.url, timeout_s=120) as client:
+        try:
+            assert wait_until(lambda: a.health()["leased"] == 1, 20)
+            with pytest.raises(RequestRejected) as busy:  # do not wait: its episode is still running
+                client.remove_env(a.url, timeout_s=0)
+            assert busy.value.status == 409 and busy.value.error == "env_busy"
+            assert [e.draining for e in client.envs()] == [True]
+            refused = httpx.post(f"{service.url}/groups", json=body, timeout=30)
+            assert refused.status_code == 503 and refused.json()["error"] == "envs_draining"
+
+            removed = client.remove_env(a.url, timeout_s=60)
+            assert "t001" in removed.tasks_no_longer_served
+        finally:
+            group.join(120)
+        assert not group.is_alive() and answers, "the group never answered"
+        result = answers[0].json()
+        kinds = sorted(a["failure"]["kind"] if a["failure"] else a["status"] for a in result["attempts"])
+        assert kinds == ["env_no_world", "env_no_world", "scored"], kinds
+        health = a.health()
+        assert health["episodes"]["started"] == health["episodes"]["finished"] == 1
+        assert health["episodes"]["abandoned"] == 0 and health["leased"] == 0
+
+        unknown = httpx.post(f"{service.url}/groups", json=body, timeout=30)
+        assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_task"
+        assert client.tasks() == [] and client.envs() == []
+        with pytest.raises(RequestRejected) as gone:
+            client.remove_env(a.url)
+        assert gone.value.status == 404 and gone.value.error == "unknown_env"
+        bad = httpx.post(f"{service.url}/envs", json={"url": "not a url"}, timeout=30)
+        assert bad.status_code == 422
+        # The env comes back: the service schedules on it again and its tasks are served.
+        back = client.add_env(a.url)
+        assert back.tasks > 0 and client.group(body).counts.scored == 3
+
+
+def stats(model) -> dict:
+    return httpx.get(f"{model.url}/stats", timeout=10).json()
+
+
+def test_a_replica_added_serves_once_on_the_current_version_and_a_removed_one_finishes_its_turns(
+    start_refenv, start_service, start_scripted_model, tmp_path
+):
+    """The scripted replicas' own logs are the oracle: which adapter each loaded, which chats each
+    got. Breaks tried: PolicyManager.join routing the replica at once (no `joining` exclusion) -> a
+    group started while the new replica is being checked sends it a chat on v1 before the adapter
+    is loaded (fails at `loaded before any chat`); ChatClient.exclude ignoring `draining` -> the
+    monitor's next probe routes the drained replica again (fails at `stays out of routing`)."""
+    slow = start_scripted_model("sql-then-answer", "--sql-turns", "1", "--delay", "3")
+    env = start_refenv("--pool", "4")
+    service = start_service([env.url], "--inference-timeout", "30", vllm=slow.url, model="scripted")
+    adapter = tmp_path / "adapter-v1"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    body = {"task_id": "t001", "n": 2, "retries": 0, "sampling": SAMPLING}
+    answers: list[httpx.Response] = []
+
+    def post_group() -> None:
+        answers.append(httpx.post(f"{service.url}/groups", json=body, timeout=120))
+
+    with RolloutClient(service.url, timeout_s=120) as client:
+        assert client.update_policy("v1", lora=str(adapter)).version == "v1"
+        # The new replica lists its models 1.5 s late: a group that starts while the service checks
+        # what it serves must not be routed there (the running group keeps the slow one the busier).
+        fast = start_scripted_model("sql-then-answer", "--sql-turns", "1", "--listing-delay", "1.5")
+        groups = [threading.Thread(target=post_group)]
+        groups[0].start()
+        assert wait_until(lambda: stats(slow)["requests"] > 0, 30)
+
+        def during_the_check() -> None:
+            # The add's first question is one listing, asking again what it serves the next.
+            if wait_until(lambda: stats(fast)["listings"] >= launched + 2, 30):
+                post_group()
+
+        launched = stats(fast)["listings"]  # its launch waited on /v1/models too
+        groups.append(threading.Thread(target=during_the_check))
+        groups[1].start()
+        added = client.add_replica(fast.url, timeout_s=60)
+        assert added.routed and added.version == "v1" and not added.draining, added
+        log = stats(fast)["events"]
+        assert log[0] == "load:scripted@v1", f"loaded before any chat: {log}"
+        assert {r.url: r.routed for r in client.policy().replicas} == {slow.url: True, fast.url: True}
+        for thread in groups:
+            thread.join(120)
+        assert len(answers) == 2 and all(a.status_code == 200 for a in answers), answers
+
+        # Wrong model: refused with the reason, never routed.
+        other = start_scripted_model("answer", "--name", "another-model")
+        with pytest.raises(RequestRejected) as refused:
+            client.add_replica(other.url, timeout_s=30)
+        assert refused.value.status == 422 and refused.value.error == "replica_refused"
+        assert "another-model" in refused.value.message and len(client.policy().replicas) == 2
+
+        # Remove the slow replica while a group's turn runs on it: the turn finishes, the group's
+        # next turns move to the other replica, no new turn reaches the removed one.
+        answers.clear()
+        slow_group = threading.Thread(target=post_group)
+        seen = stats(slow)["requests"]
+        slow_group.start()
+        try:
+            assert wait_until(lambda: stats(slow)["requests"] > seen, 30), "a turn in flight on the slow replica"
+            with pytest.raises(RequestRejected) as busy:  # its turn (3 s) is still running: do not wait
+                client.remove_replica(slow.url, timeout_s=0)
+            assert busy.value.status == 409 and busy.value.error == "replica_busy"
+            drained_at, drained_time = stats(slow)["requests"], time.time()
+            with pytest.raises(RequestRejected) as last:
+                client.drain_replica(fast.url)
+            assert last.value.status == 409 and last.value.error == "last_replica"
+
+            def probed_since_drain() -> bool:
+                (state,) = [m for m in client.health_detail()["models"] if m["url"] == slow.url]
+                return state.get("checked_at", 0) > drained_time
+
+            assert wait_until(probed_since_drain, 10)
+            (replica,) = [r for r in client.policy().replicas if r.url == slow.url]
+            assert replica.draining and not replica.routed, f"stays out of routing: {replica}"
+            removed = client.remove_replica(slow.url, timeout_s=60)  # waits for the turn in flight
+            assert removed.url == slow.url and removed.draining
+        finally:
+            slow_group.join(120)
+        assert answers and answers[0].status_code == 200, answers
+        attempts = answers[0].json()["attempts"]
+        assert [a["status"] for a in attempts] == ["scored", "scored"], attempts  # the turn in flight finished
+        assert all(t["policy_version"] == "v1" for a in attempts for t in a["turns"])
+        assert [r.url for r in client.policy().replicas] == [fast.url]
+        assert client.group(body).counts.scored == 2
+        assert stats(slow)["requests"] == drained_at, "no new turn on a drained replica"
+        detail = client.health_detail()
+        assert [m["url"] for m in detail["models"]] == [fast.url] and detail["status"] == "ok", detail
+
+
+# -- what refenv cannot be made to answer: a discovery stand-in, in process ------------------------
+
+
+def _service_with(tasks: list[tuple[str, str]]):
+    """A service (not started: no servers) with env http://a:1 serving `tasks` (id, slug)."""
+    from rollout_service.server import service as module
+    from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.env_client import EnvClient, EnvHealth, EnvTask
+    from rollout_service.server.scheduler import WorldScheduler
+
+    svc = module.RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://m:1"], model="m"))
+    health = EnvHealth(
+        status="ready", workers=2, dataset={"catalog_hash": "h"}, reward_version="r", reward_profile="rl"
+    )
+    found = module._Discovered("http://a:1", health, [EnvTask(task_id=t, slug=s) for t, s in tasks])
+    env = module._checked_env(found, EnvClient("http://a:1"))
+    svc.envs[env.url] = env
+    svc._index_tasks(env, found.tasks)
+    svc.scheduler = WorldScheduler([env.slots])
+
+    def discovers(answer: list[tuple[str, str]]) -> None:
+        async def ask(url: str, client: EnvClient) -> module._Discovered:
+            return module._Discovered(url, health, [EnvTask(task_id=t, slug=s) for t, s in answer])
+
+        module._ask_until_ready = ask  # type: ignore[assignment]
+
+    return svc, discovers
+
+
+def test_an_env_whose_slug_names_another_task_is_refused_and_a_task_listed_twice_is_removed_once(monkeypatch):
+    """Breaks tried: no slug check -> the slug silently points at the new env's task; appending the env
+    once per listing -> the removed env stays in the task's list and its groups 500."""
+    import asyncio
+
+    from rollout_service.protocol import EnvAdd, EnvRemove, GroupRequest
+    from rollout_service.server import service as module
+    from rollout_service.server.errors import RequestRefused
+
+    monkeypatch.setattr(module, "_ask_until_ready", module._ask_until_ready)  # restored after the test
+    svc, discovers = _service_with([("t1", "s1")])
+    svc.refuse_unless_ready = lambda: None  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        discovers([("t3", "s1")])
+        with pytest.raises(RequestRefused) as refused:
+            await svc.add_env(EnvAdd(url="http://c:1"))
+        assert refused.value.status == 409 and "slug" in refused.value.message
+        assert svc.by_slug["s1"] == "t1" and "http://c:1" not in svc.envs
+        discovers([("t2", "s2"), ("t2", "s2")])
+        await svc.add_env(EnvAdd(url="http://b:1"))
+        assert [e.url for e in svc.targets["t2"].envs] == ["http://b:1"]
+        removed = await svc.remove_env(EnvRemove(url="http://b:1"))
+        assert removed.tasks_no_longer_served == ["t2"] and "t2" not in svc.targets
+        with pytest.raises(RequestRefused) as unknown:
+            svc.resolve(GroupRequest(task_id="t2", n=1))
+        assert unknown.value.status == 404
+
+    asyncio.run(scenario())
