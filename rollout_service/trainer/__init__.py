@@ -17,10 +17,12 @@ from .client import (
     ServiceStarting,
     ServiceUnavailable,
 )
+from .sharded import AsyncShardedClient, ShardedClient
 from .trajectory import NoTrajectory, token_batch, trainable, trl_rollout
 
 __all__ = [
     "AsyncRolloutClient",
+    "AsyncShardedClient",
     "Attempt",
     "BatchItem",
     "GroupFailed",
@@ -36,6 +38,7 @@ __all__ = [
     "Segment",
     "ServiceStarting",
     "ServiceUnavailable",
+    "ShardedClient",
     "Turn",
     "group_advantages",
     "token_batch",
