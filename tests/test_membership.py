@@ -274,3 +274,26 @@ def test_an_env_whose_slug_names_another_task_is_refused_and_a_task_listed_twice
         assert unknown.value.status == 404
 
     asyncio.run(scenario())
+
+
+def test_groups_go_around_an_env_that_is_down(start_refenv, start_service, start_scripted_model):
+    """An env that stopped answering looks idle (no world held), and is listed first: its attempts
+    would fail at once, every retry too. The scheduler prefers envs that answer. The scripted model
+    answers at once (one turn an episode): what is under test is where episodes go. Break tried:
+    WorldScheduler.acquire ignoring `down` -> attempts go to the dead env and fail (env_unreachable)."""
+    model = start_scripted_model("answer")
+    dead, alive = start_refenv("--pool", "2"), start_refenv("--pool", "2")
+    service = start_service([dead.url, alive.url], vllm=model.url, model="scripted")
+    dead.proc.stop()
+
+    def probed_down() -> bool:
+        envs = detail(service)["envs"]
+        return [e["ok"] for e in envs] == [False, True]
+
+    assert wait_until(probed_down, 10)
+    body = {"task_id": "t001", "n": 2, "retries": 0, "sampling": SAMPLING}
+    for _ in range(3):
+        group = httpx.post(f"{service.url}/groups", json=body, timeout=60).json()
+        assert group["counts"]["scored"] == 2, group["attempts"]
+        assert group["env"]["urls"] == [alive.url]
+    assert alive.health()["episodes"]["started"] == 6

@@ -388,3 +388,20 @@ def test_random_membership_changes_keep_the_pool_cap_and_strand_nobody():
 
     orphaned, out, drained = asyncio.run(scenario())
     assert orphaned > 0 and drained, "the workload never exercised a removal"
+
+
+def test_an_env_that_is_down_gets_an_attempt_only_when_no_other_has_a_world_free():
+    """A down env looks idle (its episodes fail at once); preferring it would drain every retry.
+    Break tried: acquire ignoring `down` -> the first attempt goes to the idle down env."""
+
+    async def scenario():
+        up, down = EnvSlots("up", 2, held=1), EnvSlots("down", 2)
+        down.down = True
+        sched = WorldScheduler([up, down])
+        first = await sched.acquire(["up", "down"], (1, 0))
+        second = await sched.acquire(["up", "down"], (1, 1))  # "up" is full now: better a try than a wait
+        down.down = False
+        third = await sched.acquire(["up", "down"], (1, 2))
+        return first.url, second.url, third.url
+
+    assert asyncio.run(scenario()) == ("up", "down", "down")

@@ -95,6 +95,7 @@ class BackendMonitor:
             state.update(ok=False, error=(str(exc) or type(exc).__name__)[:300])
         if env.url in self.envs:  # not removed while it was asked
             self._env_state[env.url] = state
+            env.slots.down = not state["ok"]  # the scheduler prefers envs that answer
 
     async def _probe_model(self, role: str, route: ModelRoute, endpoint: Any) -> None:
         state: dict[str, Any] = {"checked_at": round(time.time(), 3)}

@@ -37,7 +37,7 @@ from ..protocol import (
     GroupResult,
     Turn,
 )
-from .env_client import BadEnvAnswer, EnvClient, EnvError, StepAnswer
+from .env_client import BadEnvAnswer, EnvClient, EnvError, EnvUnreachable, StepAnswer
 from .metrics import Metrics
 from .policy import PolicyManager
 from .scheduler import EnvSlots, NoEnvLeft, WorldScheduler
@@ -334,6 +334,8 @@ class GroupRunner:
             if isinstance(exc, BadEnvAnswer) and attempt.episode_id is None and exc.episode_id:
                 attempt.episode_id = exc.episode_id  # a malformed reset answer that still names its episode
             over = exc.episode_over
+            if isinstance(exc, EnvUnreachable):
+                slot.down = True  # retries go elsewhere until the monitor's next probe finds it answering
             _fail(attempt, cast(FailureKind, exc.kind), f"{exc.status or 'no answer'} {exc.error}: {exc.message}")
             retryable = exc.retryable
         except ContextOverflow as exc:

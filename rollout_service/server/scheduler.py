@@ -5,7 +5,8 @@ Attempts beyond the pools wait here, in the service, not in HTTP requests parked
 another). The policy:
 
 - Pool cap: at most `pool` slots of an env are held at once. An attempt takes the least busy
-  (held/pool) free env among its candidates at once; it waits only when all of them are full.
+  (held/pool) free env among its candidates at once, an env that answers before one that is down;
+  it waits only when all of them are full.
 - Per env: a slot freed on env E goes to a waiter that can use E. Waiters for other envs never
   hold it back (envs may serve different task sets), so no env sits idle while one could use it.
 - Fairness across requests: each waiter belongs to a `share`, the HTTP request its group came
@@ -45,6 +46,7 @@ class EnvSlots:
     max_held: int = 0
     busy_seconds: float = 0.0  # world-seconds held, for utilisation
     draining: bool = False  # being taken out: its episodes finish, none starts
+    down: bool = False  # its last probe (or an episode) found it unreachable: others are preferred
     emptied: asyncio.Event | None = None  # set once draining with no slot held
 
     @property
@@ -111,6 +113,9 @@ class WorldScheduler:
         present = [self.envs[u] for u in candidates if u in self.envs]
         free = [e for e in present if e.free > 0]
         if free:
+            # A down env looks idle (its episodes fail at once): it gets an attempt only if no env
+            # that answers has a world free, so that it does not drain every retry.
+            free = [e for e in free if not e.down] or free
             return self._grant(min(free, key=lambda e: e.held / e.pool), self._shares.get(share))
         if not any(not e.draining for e in present):
             raise NoEnvLeft(f"no env takes attempts for it: {_named(candidates, self.envs)}")
