@@ -9,9 +9,11 @@ bookkeeping alone. Bounded in time: each command and wait has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -45,21 +47,62 @@ def free_ports(count: int) -> int:
 @pytest.fixture(scope="module")
 def ray_cluster():
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
-    env = {**os.environ, "RAY_TMPDIR": temp, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_TMPDIR": temp, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     address = f"127.0.0.1:{free_port()}"
+
+    def ports() -> list[str]:
+        # Every port a node binds, chosen free: another Ray on this machine (a developer's, or a
+        # local one a script started) holds the defaults (client server 10001, agent 52365).
+        names = ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc")
+        names += ("runtime-env-agent", "metrics-export")
+        return [f"--{name}-port={free_port()}" for name in names]
+
     common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
     head = [RAY, "start", "--head", f"--port={address.split(':')[1]}", "--num-cpus=1", '--resources={"node_a": 1}']
     head += ["--min-worker-port=30000", "--max-worker-port=30999", "--include-dashboard=false", *common]
+    head += [f"--ray-client-server-port={free_port()}", *ports()]
     worker = [RAY, "start", f"--address={address}", "--num-cpus=2", '--resources={"node_b": 1}']
-    worker += ["--min-worker-port=31000", "--max-worker-port=31999", *common]
+    worker += ["--min-worker-port=31000", "--max-worker-port=31999", *common, *ports()]
     try:
         for cmd in (head, worker):
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         yield address, env
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(temp, address)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def stop_cluster(temp: str, address: str) -> None:
+    """Stop this test's Ray nodes only (`ray stop` would stop every Ray on the machine, a developer's
+    own cluster too): the processes that name its temp folder or its GCS port, and their descendants;
+    TERM, then KILL what is left."""
+
+    gcs_port = re.compile(rf":{address.rsplit(':', 1)[1]}\b")  # the client server names the node's own IP
+
+    def ours() -> list[int]:
+        named, parents = set(), {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid() or process_gone(int(entry.name)):
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if temp in cmdline or gcs_port.search(cmdline):
+                named.add(int(entry.name))
+        # With their descendants: the agents a raylet starts rename themselves (ray::DashboardAgent).
+        while grown := {pid for pid, parent in parents.items() if parent in named} - named:
+            named |= grown
+        return sorted(named)
+
+    for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 20)):
+        for pid in ours():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        if wait_until(lambda: not ours(), grace_s, every_s=0.5):
+            return
 
 
 def ray_cli(address: str, env: dict, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -226,3 +269,27 @@ def test_down_leaves_no_process_of_the_stack(deployment):
     assert wait_until(lambda: all(process_gone(pid) for pid in pids), 60), [p for p in pids if not process_gone(p)]
     assert deployment.status() == {}
     assert not any(port_in_use(int(p["url"].rsplit(":", 1)[1])) for p in pieces.values())
+
+
+def test_a_wrong_config_is_refused_field_by_field_before_anything_starts(tmp_path):
+    """No cluster needed: the file is checked first. Each wrong field is named, with no traceback."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "envs: {count: 2, command: [x, '{hots}'], resources: {CPU: 1}, num_cpus: .inf}\n"
+        "replicas: {kv_cache_gib: 0}\nservice: {command: [x]}\nunknown: 1\n"
+    )
+    done = cli("ray", "up", "--config", str(bad), "--address", "127.0.0.1:1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    for field in ("envs.command", "envs.num_cpus", "envs.resources", "replicas.kv_cache_gib", "service.command"):
+        assert field in done.stderr, (field, done.stderr)
+    assert "unknown" in done.stderr
+    ports = tmp_path / "ports.yaml"
+    ports.write_text("envs: {count: 3, port: 65534}\n")
+    done = cli("ray", "status", "--config", str(ports))
+    assert done.returncode == 2 and "65535" in done.stderr, done.stderr
+    overlap = tmp_path / "overlap.yaml"
+    overlap.write_text("replicas: {count: 2, port: 8089}\n")  # 8089-8090: the envs' 8090
+    done = cli("ray", "status", "--config", str(overlap))
+    assert done.returncode == 2 and "overlap" in done.stderr, done.stderr
+    missing = cli("ray", "status", "--config", str(tmp_path / "none.yaml"))
+    assert missing.returncode == 2 and "none.yaml" in missing.stderr and "Traceback" not in missing.stderr

@@ -13,6 +13,7 @@ import asyncio
 
 import httpx
 import pytest
+from helpers import wait_until
 
 from rollout_service.trainer import AsyncShardedClient, RequestRejected, RolloutClient, ShardedClient
 
@@ -63,3 +64,49 @@ def test_groups_go_to_the_service_serving_their_task(start_refenv, start_service
 
     asyncio.run(from_asyncio())
     assert started(env_a) == 2 * 2 + 2 + 2 and started(env_b) == 3 * 2 + 2 + 2
+
+
+def test_a_task_several_services_serve_is_spread_over_them():
+    """The map alone (no servers): the service with the fewest of the client's groups in flight
+    gets the next one. Break tried: pick not counting the group it places -> every group goes to
+    the first service."""
+    from rollout_service.trainer.sharded import _TaskMap
+
+    owners = _TaskMap(["http://a", "http://b"])
+    owners.learn([[{"task_id": "t1", "slug": "one"}], [{"task_id": "t1", "slug": "one"}, {"task_id": "t2"}]])
+    assert [owners.pick({"task_id": "t1"}) for _ in range(4)] == [0, 1, 0, 1]
+    assert owners.pick({"slug": "one"}) == 0 and owners.pick({"task_id": "t2"}) == 1
+    assert owners.pick({"task_id": "one"}) is None  # a slug is not a task id
+    owners.learn([[{"task_id": "t1"}], RuntimeError("connection refused")])
+    assert isinstance(owners.unknown({"task_id": "t2"}), Exception) and owners.unreachable == {
+        "http://b": "RuntimeError: connection refused"
+    }
+
+
+def test_leaving_a_sharded_batch_early_cancels_the_rest_on_every_service(
+    start_refenv, start_service, start_scripted_model
+):
+    """The trainer breaks out after the first group: both services see the streams close and
+    abandon the episodes they were running (the envs' own counters), nothing is left running."""
+    model = start_scripted_model("sql-then-answer", "--sql-turns", "1", "--delay", "1")
+    env_a = start_refenv("--pool", "1", "--split", "auto:0.5", "--side", "train")
+    env_b = start_refenv("--pool", "1", "--split", "auto:0.5", "--side", "eval")
+    svc_a = start_service([env_a.url], vllm=model.url, model="scripted")
+    svc_b = start_service([env_b.url], vllm=model.url, model="scripted")
+    with RolloutClient(svc_a.url) as a, RolloutClient(svc_b.url) as b:
+        tasks = [t["task_id"] for t in a.tasks()[:3]] + [t["task_id"] for t in b.tasks()[:3]]
+    requests = [{"task_id": t, "n": 1, "sampling": SAMPLING, "allow_eval_side": True} for t in tasks]
+    with ShardedClient([svc_a.url, svc_b.url]) as client:
+        for item in client.groups(requests):
+            assert item.group is not None
+            break
+
+    def all_ended() -> bool:
+        healths = [httpx.get(f"{e.url}/health", timeout=5).json() for e in (env_a, env_b)]
+        details = [httpx.get(f"{s.url}/health/detail", timeout=5).json() for s in (svc_a, svc_b)]
+        return all(h["live_episodes"] == 0 for h in healths) and all(d["groups_in_flight"] == 0 for d in details)
+
+    assert wait_until(all_ended, 20)
+    abandoned = [httpx.get(f"{e.url}/health", timeout=5).json()["episodes"]["abandoned"] for e in (env_a, env_b)]
+    started = [httpx.get(f"{e.url}/health", timeout=5).json()["episodes"]["started"] for e in (env_a, env_b)]
+    assert sum(abandoned) >= 1 and sum(started) < 6, (abandoned, started)  # the rest never ran

@@ -50,7 +50,8 @@ class ServerProcess:
         self.url = f"http://{self.host}:{port}"
         logs = Path(logs_dir)
         logs.mkdir(parents=True, exist_ok=True)
-        self._pidfile = logs / f"{name}.pid"
+        stem = f"{ray.get_runtime_context().namespace}.{name}"  # deployments may share logs_dir
+        self._pidfile = logs / f"{stem}.pid"
         _stop_leftover(self._pidfile)
         if builtin is not None:  # concrete already (it may hold JSON braces of its own)
             argv, base_env = _builtin_command(builtin, self.host, port)
@@ -59,10 +60,10 @@ class ServerProcess:
             argv, base_env = [part.format(host=self.host, port=port) for part in cmd], dict(os.environ)
         process_env = {**base_env, **env}
         self._stopping = False
-        self.proc = ManagedProcess(name, argv, logs / f"{name}.log", process_env, die_with_parent=True)
+        self.proc = ManagedProcess(name, argv, logs / f"{stem}.log", process_env, die_with_parent=True)
         self.proc.start()
         assert self.proc.proc is not None
-        self._pidfile.write_text(str(self.proc.proc.pid))
+        self._pidfile.write_text(f"{self.proc.proc.pid} {_start_time(self.proc.proc.pid)}")
         try:
             self.proc.wait_http(f"{self.url}{ready_path}", timeout_s=startup_timeout_s)
         except BaseException:
@@ -149,13 +150,24 @@ def _builtin_command(builtin: dict[str, Any], host: str, port: int) -> tuple[lis
     raise ValueError(f"unknown built-in server {builtin['kind']!r}")
 
 
+def _start_time(pid: int) -> str:
+    """When the process started (clock ticks since boot, /proc/PID/stat field 22): with the pid, it
+    names one process; a pid reused later has another start time."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
 def _stop_leftover(pidfile: Path) -> None:
     """A server that an earlier incarnation of this actor left running (the actor was killed hard)
-    holds the port: stop its process group first."""
+    holds the port: stop its process group first, if that pid is still that process."""
     try:
-        pid = int(pidfile.read_text())
+        pid_text, started = pidfile.read_text().split()
+        pid = int(pid_text)
     except (OSError, ValueError):
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    if started != "?" and _start_time(pid) == started:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
     pidfile.unlink(missing_ok=True)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from inference import embedded_model
 
@@ -31,6 +32,41 @@ class PieceSpec(BaseModel):
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources each reserves")
     max_restarts: int = Field(3, ge=-1, description="times Ray restarts one that died (-1: always)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables for the server")
+
+    @field_validator("command")
+    @classmethod
+    def _placeholders(cls, value: list[str] | None) -> list[str] | None:
+        for part in value or []:
+            try:
+                part.format(host="h", port=1)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(
+                    f"{part!r}: only {{host}} and {{port}} are filled in; write a literal brace twice ({exc})"
+                ) from None
+        return value
+
+    @field_validator("num_cpus", "num_gpus")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is not a custom resource: use num_cpus / num_gpus")
+            if not math.isfinite(amount) or amount < 0:
+                raise ValueError(f"{name}: {amount} is not a finite, non-negative amount")
+        return value
+
+    @model_validator(mode="after")
+    def _ports_fit(self) -> PieceSpec:
+        if self.port + max(self.count, 1) - 1 > 65535:
+            raise ValueError(f"ports {self.port}..{self.port + self.count - 1} go past 65535: lower port")
+        return self
 
 
 class ReplicaSpec(PieceSpec):
@@ -60,6 +96,7 @@ class ServiceSpec(PieceSpec):
     ready_path: str = Field("/health", pattern=r"^/")
     startup_timeout_s: float = Field(600.0, gt=0, le=7200)
     args: list[str] = Field(default_factory=list, description="extra flags for `rollout-service serve`")
+    command: None = Field(None, description="the service is always `rollout-service serve` (use args)")
     api_key_env: str | None = Field(
         None, description="the variable holding the service's API key (--api-key-env), read by ray scale too"
     )
@@ -96,6 +133,17 @@ class ConfigError(Exception):
     """The config file cannot be used; the message names each field that is wrong."""
 
 
+def with_count(config: ClusterConfig, kind: Kind, count: int) -> ClusterConfig:
+    """The config with `count` pieces of `kind`, checked again (ports that now overlap, past 65535)."""
+    field = {"replica": "replicas", "env": "envs", "service": "service"}[kind]
+    data = config.model_dump()
+    data[field]["count"] = count
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{count} {field}: " + "; ".join(e["msg"] for e in exc.errors(include_url=False))) from None
+
+
 def load_config(path: str | Path) -> ClusterConfig:
     import yaml
 
@@ -103,6 +151,8 @@ def load_config(path: str | Path) -> ClusterConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):

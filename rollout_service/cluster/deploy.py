@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from .actors import ServerProcess, ServiceProcess, actor_name
-from .config import ClusterConfig, Kind
+from .config import ClusterConfig, ConfigError, Kind, with_count
 
 Say = Callable[[str], None]
 
@@ -48,6 +48,7 @@ def up(config: ClusterConfig, say: Say = print) -> dict[str, Any]:
             say(f"{actor_name(kind, i)}: {info['url']} on node {info['host']} ({info['node_id'][:12]})")
     info = _ready(_start(config, "service", 0), "service", config.service.startup_timeout_s)
     say(f"service-0: {info['url']} on node {info['host']} ({info['node_id'][:12]})")
+    sync(config, say)  # a service that was running already learns of the pieces started now
     return status(config)
 
 
@@ -58,22 +59,51 @@ def scale(config: ClusterConfig, kind: Kind, count: int, say: Say = print, timeo
 
     if kind == "service":
         raise ClusterError("there is one service per deployment: scale replicas or envs")
-    running = _indices(kind)
-    service = _service_url()
-    with _service_client(config, service) as http:
-        for i in range(max(running, default=-1) + 1, count):
-            info = _ready(_start(config, kind, i), kind, config.spec(kind).startup_timeout_s)
-            path = "/envs" if kind == "env" else "/replicas"
-            _call(http, "POST", path, {"url": info["url"], "timeout_s": min(timeout_s, 3600)})
+    try:
+        config = with_count(config, kind, count)
+    except ConfigError as exc:
+        raise ClusterError(str(exc)) from None
+    running = sorted(_indices(kind))
+    free = (i for i in range(count + len(running)) if i not in running)
+    starting = [next(free) for _ in range(count - len(running))]
+    stopping = running[count:][::-1] if len(running) > count else []
+    with _service_client(config, _service_url()) as http:
+        for i in starting:
+            handle = _start(config, kind, i)
+            info = _ready(handle, kind, config.spec(kind).startup_timeout_s)
+            try:
+                _join(http, kind, info["url"], timeout_s)
+            except ClusterError:
+                _stop(handle)  # not left running outside the service
+                raise
             say(f"{actor_name(kind, i)}: {info['url']} on node {info['host']} joined the service")
-        for i in sorted((i for i in running if i >= count), reverse=True):
+        for i in stopping:
             name = actor_name(kind, i)
             handle = ray.get_actor(name)
-            url = _get(handle.info.remote(), timeout=30)["url"]
-            path = "/envs/remove" if kind == "env" else "/replicas/remove"
-            _call(http, "POST", path, {"url": url, "timeout_s": timeout_s})
+            try:
+                url = _get(handle.info.remote(), timeout=60)["url"]
+            except Exception as exc:
+                raise ClusterError(f"{name} does not answer ({type(exc).__name__}): try again once it is up") from None
+            _leave(http, kind, url, timeout_s)
             _stop(handle)
             say(f"{name}: left the service and stopped")
+    sync(config, say)
+
+
+def sync(config: ClusterConfig, say: Say = print, timeout_s: float = 120.0) -> None:
+    """Make the service's membership the running pieces: add those it does not know (a piece Ray
+    restarted on another node has a new URL; one started while the service restarted), remove the
+    URLs no piece answers at any more (a piece gone for good)."""
+    with _service_client(config, _service_url()) as http:
+        for kind, listed in (("env", _call(http, "GET", "/envs")), ("replica", _call(http, "GET", "/policy"))):
+            known = {e["url"] for e in (listed if kind == "env" else listed["replicas"])}
+            running = {info["url"] for info in _running(kind)}
+            for url in sorted(running - known):
+                _join(http, kind, url, timeout_s)
+                say(f"{kind} {url}: joined the service")
+            for url in sorted(known - running):
+                _leave(http, kind, url, timeout_s)
+                say(f"{kind} {url}: no piece answers there any more; left the service")
 
 
 def status(config: ClusterConfig) -> dict[str, Any]:
@@ -103,7 +133,11 @@ def down(config: ClusterConfig, say: Say = print) -> int:
     stopped = 0
     for kind in ("service", "env", "replica"):
         for i in sorted(_indices(kind)):
-            _stop(ray.get_actor(actor_name(kind, i)))
+            try:
+                handle = ray.get_actor(actor_name(kind, i))
+            except ValueError:  # gone meanwhile
+                continue
+            _stop(handle)
             say(f"{actor_name(kind, i)}: stopped")
             stopped += 1
     return stopped
@@ -168,6 +202,29 @@ def _stop(handle: Any) -> None:
     ray.kill(handle, no_restart=True)
 
 
+def _running(kind: str) -> list[dict[str, Any]]:
+    """The info of each piece of `kind` that answers now."""
+    import ray
+
+    found = []
+    for i in _indices(kind):
+        try:
+            found.append(_get(ray.get_actor(actor_name(kind, i)).info.remote(), timeout=30))
+        except Exception:  # restarting, or gone meanwhile: the next sync sees it
+            continue
+    return found
+
+
+def _join(http: httpx.Client, kind: str, url: str, timeout_s: float) -> None:
+    path = "/envs" if kind == "env" else "/replicas"
+    _call(http, "POST", path, {"url": url, "timeout_s": min(timeout_s, 3600)})
+
+
+def _leave(http: httpx.Client, kind: str, url: str, timeout_s: float) -> None:
+    path = "/envs/remove" if kind == "env" else "/replicas/remove"
+    _call(http, "POST", path, {"url": url, "timeout_s": timeout_s})
+
+
 def _indices(kind: str) -> list[int]:
     import ray
 
@@ -198,8 +255,11 @@ def _service_client(config: ClusterConfig, url: str) -> httpx.Client:
     return httpx.Client(base_url=url, headers=headers, timeout=None)
 
 
-def _call(http: httpx.Client, method: str, path: str, body: dict) -> dict:
-    response = http.request(method, path, json=body)
+def _call(http: httpx.Client, method: str, path: str, body: dict | None = None) -> Any:
+    try:
+        response = http.request(method, path, json=body)
+    except httpx.HTTPError as exc:
+        raise ClusterError(f"the service does not answer {method} {path}: {exc}") from None
     if response.status_code >= 400:
         raise ClusterError(f"the service answered {method} {path} with {response.status_code}: {response.text[:500]}")
     return response.json()

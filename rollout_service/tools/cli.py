@@ -364,6 +364,7 @@ def _add_ray(sub) -> None:
         ("status", "each piece with its node, process and health, as JSON"),
         ("down", "stop every piece, the service first"),
         ("scale", "run N replicas or envs: new ones join the service, removed ones are drained first"),
+        ("sync", "make the service's envs and replicas the pieces running now (after a restart elsewhere)"),
     ):
         a = actions.add_parser(name, help=text, description=text)
         a.add_argument("--config", required=True, metavar="FILE", help="the cluster's YAML file")
@@ -380,6 +381,9 @@ def _ray(args: argparse.Namespace) -> int:
     import json
 
     try:
+        import ray  # noqa: F401  (the extra's packages: say so here rather than deep in a command)
+        import yaml  # noqa: F401
+
         from ..cluster import deploy
         from ..cluster.config import ConfigError, load_config
     except ImportError as exc:
@@ -411,6 +415,8 @@ def _ray(args: argparse.Namespace) -> int:
             print(json.dumps(deploy.status(config), indent=2))
         elif args.action == "down":
             say(f"{deploy.down(config, say)} pieces stopped")
+        elif args.action == "sync":
+            deploy.sync(config, say)
         else:
             if args.replicas is not None:
                 deploy.scale(config, "replica", args.replicas, say, args.timeout)
@@ -418,6 +424,9 @@ def _ray(args: argparse.Namespace) -> int:
                 deploy.scale(config, "env", args.envs, say, args.timeout)
     except deploy.ClusterError as exc:
         print(f"rollout-service ray {args.action}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # Ray's own errors (an actor gone mid-command, a refused placement)
+        print(f"rollout-service ray {args.action}: {type(exc).__name__}: {str(exc)[:1000]}", file=sys.stderr)
         return 1
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -90,13 +89,23 @@ def start_embedded_vllm(
     return proc
 
 
+def _prctl() -> Callable[..., int] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux with glibc: no tie to the parent
+        return None
+
+
+_PRCTL = _prctl()  # resolved here, not after fork: loading a library in the child could deadlock
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG), so that a
-    keeper killed hard (a Ray actor's worker) leaves no server behind."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    keeper killed hard (a Ray actor's worker) leaves its server's main process behind no longer."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
 
 
 class StackError(Exception):

@@ -15,44 +15,55 @@ import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
-from ..protocol import GroupRequest, GroupResult
-from .client import AsyncRolloutClient, BatchItem, RequestRejected, RolloutClient, _BaseClient
+from ..protocol import GroupRequest, GroupResult, PolicyState, PolicyUpdateResult
+from .client import AsyncRolloutClient, BatchItem, RequestRejected, RolloutError, ServiceUnavailable, _BaseClient
 
 
 class _TaskMap:
-    """task_id and slug -> the indices of the services that serve it; in-flight groups per service."""
+    """Which services serve which task (by id, and by slug), and this client's groups in flight on each."""
 
     def __init__(self, urls: Sequence[str]) -> None:
         if not urls:
             raise ValueError("give at least one service URL")
         self.urls = list(urls)
-        self.owners: dict[str, list[int]] | None = None
+        self.by_id: dict[str, list[int]] | None = None
+        self.by_slug: dict[str, list[int]] = {}
+        self.unreachable: dict[str, str] = {}  # services whose /tasks failed at the last refresh
         self.in_flight = [0] * len(urls)
 
-    def learn(self, listings: list[list[dict]]) -> None:
-        owners: dict[str, list[int]] = {}
+    def learn(self, listings: list[list[dict] | BaseException]) -> None:
+        self.by_id, self.by_slug, self.unreachable = {}, {}, {}
         for index, tasks in enumerate(listings):
+            if isinstance(tasks, BaseException):
+                self.unreachable[self.urls[index]] = f"{type(tasks).__name__}: {tasks}"
+                continue
             for task in tasks:
-                for key in (task.get("task_id"), task.get("slug")):
-                    if key:
-                        owners.setdefault(key, []).append(index)
-        self.owners = owners
+                if task.get("task_id"):
+                    self.by_id.setdefault(task["task_id"], []).append(index)
+                if task.get("slug"):
+                    self.by_slug.setdefault(task["slug"], []).append(index)
 
     def pick(self, body: dict) -> int | None:
-        """The service for this group, or None if no known service serves its task."""
-        assert self.owners is not None
-        candidates = self.owners.get(body.get("task_id") or body.get("slug") or "")
+        """The service for this group (its slot in flight taken), or None if no known one serves it."""
+        assert self.by_id is not None
+        candidates = self.by_id.get(body["task_id"]) if body.get("task_id") else self.by_slug.get(body.get("slug", ""))
         if not candidates:
             return None
-        return min(candidates, key=lambda i: self.in_flight[i])
+        index = min(candidates, key=lambda i: self.in_flight[i])
+        self.in_flight[index] += 1
+        return index
 
-    def unknown(self, body: dict) -> RequestRejected:
+    def unknown(self, body: dict) -> RolloutError:
         name = f"task_id {body.get('task_id')!r}" if body.get("task_id") else f"slug {body.get('slug')!r}"
+        if self.unreachable:
+            down = "; ".join(f"{url}: {why}" for url, why in self.unreachable.items())
+            return ServiceUnavailable(None, "unreachable", f"no service that answers serves {name} (down: {down})")
         return RequestRejected(404, "unknown_task", f"no service serves a task with {name} ({', '.join(self.urls)})")
 
 
 class AsyncShardedClient:
-    """`group()` and `groups()` of AsyncRolloutClient over several services."""
+    """`group()`, `groups()`, `update_policy()` and `pause_policy()` of AsyncRolloutClient over
+    several services."""
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, timeout_s: float | None = None) -> None:
         self.map = _TaskMap(urls)
@@ -69,12 +80,14 @@ class AsyncShardedClient:
             await client.aclose()
 
     async def refresh(self) -> None:
-        self.map.learn(list(await asyncio.gather(*(c.tasks() for c in self.clients))))
+        """Ask every service which tasks it serves (one that does not answer serves none for now)."""
+        self.map.learn(list(await asyncio.gather(*(c.tasks() for c in self.clients), return_exceptions=True)))
 
     async def _route(self, body: dict) -> int:
-        if self.map.owners is None or self.map.pick(body) is None:
+        index = self.map.pick(body) if self.map.by_id is not None else None
+        if index is None:
             await self.refresh()  # first use, or a task that moved or was added since
-        index = self.map.pick(body)
+            index = self.map.pick(body)
         if index is None:
             raise self.map.unknown(body)
         return index
@@ -82,7 +95,6 @@ class AsyncShardedClient:
     async def group(self, request: GroupRequest | dict | None = None, **fields: Any) -> GroupResult:
         body = _BaseClient._group_body(request, fields)
         index = await self._route(body)
-        self.map.in_flight[index] += 1
         try:
             return await self.clients[index].group(body)
         finally:
@@ -91,18 +103,30 @@ class AsyncShardedClient:
     async def groups(self, requests: Iterable[GroupRequest | dict]) -> AsyncIterator[BatchItem]:
         """Each group as soon as it finishes, `index` being its place in `requests`. One batch per
         service; leaving the loop early closes every stream (the services cancel those groups)."""
-        shards = await self._split(requests)
+        shards: dict[int, tuple[list[int], list[dict]]] = {}
+        try:
+            for position, request in enumerate(requests):
+                body = _BaseClient._group_body(request, {})
+                positions, bodies = shards.setdefault(await self._route(body), ([], []))
+                positions.append(position)
+                bodies.append(body)
+        except BaseException:
+            for index, (positions, _) in shards.items():
+                self.map.in_flight[index] -= len(positions)
+            raise
         items: asyncio.Queue[BatchItem | BaseException | None] = asyncio.Queue()
 
         async def pump(index: int, positions: list[int], bodies: list[dict]) -> None:
-            self.map.in_flight[index] += len(bodies)
+            left = len(bodies)
             try:
                 async for item in self.clients[index].groups(bodies):
+                    left -= 1
+                    self.map.in_flight[index] -= 1
                     await items.put(BatchItem(positions[item.index], item.group, item.error))
             except Exception as exc:  # the whole shard failed (refused, unreachable): the caller hears it
                 await items.put(exc)
             finally:
-                self.map.in_flight[index] -= len(bodies)
+                self.map.in_flight[index] -= left
                 await items.put(None)
 
         tasks = [asyncio.ensure_future(pump(i, *shard)) for i, shard in shards.items()]
@@ -121,26 +145,32 @@ class AsyncShardedClient:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _split(self, requests: Iterable[GroupRequest | dict]) -> dict[int, tuple[list[int], list[dict]]]:
-        shards: dict[int, tuple[list[int], list[dict]]] = {}
-        for position, request in enumerate(requests):
-            body = _BaseClient._group_body(request, {})
-            index = await self._route(body)
-            positions, bodies = shards.setdefault(index, ([], []))
-            positions.append(position)
-            bodies.append(body)
-        return shards
+    async def update_policy(
+        self, version: str, *, lora: str | None = None, weights: str | None = None
+    ) -> list[PolicyUpdateResult]:
+        """The update on every service (each follows the policy of its own replicas), in order."""
+        return [await c.update_policy(version, lora=lora, weights=weights) for c in self.clients]
+
+    async def pause_policy(self) -> list[PolicyState]:
+        return [await c.pause_policy() for c in self.clients]
 
 
 class ShardedClient:
-    """`group()` and `groups()` of RolloutClient over several services (one thread per service
-    while a batch streams)."""
+    """The same calls, synchronous. Batches stream on an event loop of this client's own (a thread
+    while `groups()` runs), so leaving a loop early closes every stream at once."""
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, timeout_s: float | None = None) -> None:
-        self.map = _TaskMap(urls)
-        self._key, self._timeout_s = api_key, timeout_s
-        self.clients = [RolloutClient(u, api_key=api_key, timeout_s=timeout_s) for u in urls]
-        self._lock = threading.Lock()
+        self.urls, self._key, self._timeout_s = list(urls), api_key, timeout_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sharded-client", daemon=True)
+        self._thread.start()
+        self._async = self._run(self._make())
+
+    async def _make(self) -> AsyncShardedClient:
+        return AsyncShardedClient(self.urls, api_key=self._key, timeout_s=self._timeout_s)
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __enter__(self) -> ShardedClient:
         return self
@@ -149,68 +179,51 @@ class ShardedClient:
         self.close()
 
     def close(self) -> None:
-        for client in self.clients:
-            client.close()
+        if self._loop.is_running():
+            self._run(self._async.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    @property
+    def map(self) -> _TaskMap:
+        return self._async.map
 
     def refresh(self) -> None:
-        self.map.learn([c.tasks() for c in self.clients])
-
-    def _route(self, body: dict) -> int:
-        if self.map.owners is None or self.map.pick(body) is None:
-            self.refresh()
-        index = self.map.pick(body)
-        if index is None:
-            raise self.map.unknown(body)
-        return index
+        self._run(self._async.refresh())
 
     def group(self, request: GroupRequest | dict | None = None, **fields: Any) -> GroupResult:
-        body = _BaseClient._group_body(request, fields)
-        with self._lock:
-            index = self._route(body)
-            self.map.in_flight[index] += 1
-        try:
-            return self.clients[index].group(body)
-        finally:
-            with self._lock:
-                self.map.in_flight[index] -= 1
+        return self._run(self._async.group(request, **fields))
 
     def groups(self, requests: Iterable[GroupRequest | dict]) -> Iterator[BatchItem]:
-        """As AsyncShardedClient.groups. Each shard streams on a client of its own, closed when the
-        caller leaves the loop (the services see the disconnect and cancel those groups)."""
-        shards: dict[int, tuple[list[int], list[dict]]] = {}
-        with self._lock:
-            for position, request in enumerate(requests):
-                body = _BaseClient._group_body(request, {})
-                positions, bodies = shards.setdefault(self._route(body), ([], []))
-                positions.append(position)
-                bodies.append(body)
         items: queue.Queue[BatchItem | BaseException | None] = queue.Queue()
-        streams = {i: RolloutClient(self.map.urls[i], api_key=self._key, timeout_s=self._timeout_s) for i in shards}
+        stream = self._async.groups(list(requests))
 
-        def pump(index: int, positions: list[int], bodies: list[dict]) -> None:
+        async def pump() -> None:
             try:
-                for item in streams[index].groups(bodies):
-                    items.put(BatchItem(positions[item.index], item.group, item.error))
-            except Exception as exc:
+                async for item in stream:
+                    items.put(item)
+            except BaseException as exc:  # refused, unreachable, or cancelled by an early exit
                 items.put(exc)
             finally:
                 items.put(None)
 
-        threads = [threading.Thread(target=pump, args=(i, *shard), daemon=True) for i, shard in shards.items()]
-        for thread in threads:
-            thread.start()
+        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
         try:
-            running = len(threads)
-            while running:
-                item = items.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
+            while (item := items.get()) is not None:
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):
+                        break
                     raise item
-                else:
-                    yield item
+                yield item
         finally:
-            for stream in streams.values():
-                stream.close()  # a pump still reading gets an error and ends
-            for thread in threads:
-                thread.join(30)
+            task.cancel()  # an early exit: the streams close now, the services cancel what is left
+            try:
+                task.result(30)
+            except BaseException:  # cancelled, as asked
+                pass
+
+    def update_policy(self, version: str, *, lora: str | None = None, weights: str | None = None) -> list:
+        return self._run(self._async.update_policy(version, lora=lora, weights=weights))
+
+    def pause_policy(self) -> list:
+        return self._run(self._async.pause_policy())
