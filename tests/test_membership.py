@@ -297,3 +297,32 @@ def test_groups_go_around_an_env_that_is_down(start_refenv, start_service, start
         assert group["counts"]["scored"] == 2, group["attempts"]
         assert group["env"]["urls"] == [alive.url]
     assert alive.health()["episodes"]["started"] == 6
+
+
+def test_support_replicas_come_and_go_too(start_refenv, start_service, start_scripted_model):
+    """refenv --responder adds a stage the support model answers. A support replica added takes the
+    responder turns once the first is removed; the replicas' own request counts are the oracle."""
+    policy = start_scripted_model("answer")
+    first = start_scripted_model("answer", "--name", "support")
+    env = start_refenv("--pool", "2", "--responder")
+    service = start_service(
+        [env.url], "--support-vllm", first.url, "--support-model", "support", vllm=policy.url, model="scripted"
+    )
+    body = {"task_id": "t005", "n": 2, "retries": 0, "sampling": SAMPLING}
+    with RolloutClient(service.url, timeout_s=60) as client:
+        second = start_scripted_model("answer", "--name", "support")
+        added = client.add_replica(second.url, role="support", timeout_s=30)
+        assert added.routed and added.version is None
+        with pytest.raises(RequestRejected) as wrong:  # the policy's replica is not a support one
+            client.add_replica(policy.url, role="support", timeout_s=30)
+        assert wrong.value.status == 422 and "support" in wrong.value.message
+        removed = client.remove_replica(first.url, role="support", timeout_s=30)
+        assert removed.url == first.url
+        before = stats(first)["requests"]
+        group = client.group(body)
+        assert group.counts.scored == 2
+        responder = [t for a in group.attempts for t in a.turns if t.stage == "responder"]
+        assert responder and all(t.endpoint == second.url for t in responder)
+        assert stats(second)["requests"] == len(responder) and stats(first)["requests"] == before
+        roles = {(m["role"], m["url"]) for m in client.health_detail()["models"]}
+        assert roles == {("policy", policy.url), ("support", second.url)}
