@@ -282,7 +282,8 @@ class RolloutService:
         assert self.scheduler is not None
         url = body.url
         if url in self.envs or url in self._adding:
-            state = "is draining: remove it first" if url in self.envs and self.envs[url].slots.draining else "is added"
+            draining = url in self.envs and self.envs[url].slots.draining
+            state = "is draining: remove it first" if draining else "is scheduled already (or being added)"
             raise RequestRefused(409, "env_present", f"env {url} {state}")
         self._adding.add(url)
         client = EnvClient(url)
