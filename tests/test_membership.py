@@ -240,7 +240,7 @@ def _service_with(tasks: list[tuple[str, str]]):
         async def ask(url: str, client: EnvClient) -> module._Discovered:
             return module._Discovered(url, health, [EnvTask(task_id=t, slug=s) for t, s in answer])
 
-        module._ask_until_ready = ask  # type: ignore[assignment]
+        module._ask_env = ask  # type: ignore[assignment]
 
     return svc, discovers
 
@@ -254,7 +254,7 @@ def test_an_env_whose_slug_names_another_task_is_refused_and_a_task_listed_twice
     from rollout_service.server import service as module
     from rollout_service.server.errors import RequestRefused
 
-    monkeypatch.setattr(module, "_ask_until_ready", module._ask_until_ready)  # restored after the test
+    monkeypatch.setattr(module, "_ask_env", module._ask_env)  # restored after the test
     svc, discovers = _service_with([("t1", "s1")])
     svc.refuse_unless_ready = lambda: None  # type: ignore[method-assign]
 

@@ -138,10 +138,16 @@ class WorldScheduler:
             if env.held == 0 and env.emptied is not None:
                 env.emptied.set()
             return
+        self._hand_out(env)
+
+    def _hand_out(self, env: EnvSlots) -> bool:
+        """Give one free slot of `env` to the waiter whose turn it is; whether there was one."""
         waiter = self._next_waiter(env.url)
-        if waiter is not None:
-            self._leave(waiter)
-            waiter.future.set_result(self._grant(env, waiter.share))
+        if waiter is None:
+            return False
+        self._leave(waiter)
+        waiter.future.set_result(self._grant(env, waiter.share))
+        return True
 
     def _grant(self, env: EnvSlots, share: _Share | None) -> EnvSlots:
         env.held += 1
@@ -163,11 +169,10 @@ class WorldScheduler:
         for queued in self._live_waiters():
             if queued.task is not None and queued.task in tasks:
                 queued.candidates += (env.url,)
-                self._push(queued, env.url, queued.entry)
+                self._push(queued, env.url)
                 self._live_entries += 1
-        while env.free > 0 and (waiter := self._next_waiter(env.url)) is not None:
-            self._leave(waiter)
-            waiter.future.set_result(self._grant(env, waiter.share))
+        while env.free > 0 and self._hand_out(env):
+            pass
 
     def drain_env(self, url: str) -> EnvSlots:
         """Grant no more slots of this env; the episodes holding one finish and release it."""
@@ -218,19 +223,20 @@ class WorldScheduler:
         waiter = _Waiter(tuple(dict.fromkeys(candidates)), share, future, task)
         waiter.entry = (priority, next(self._seq))
         for url in waiter.candidates:
-            self._push(waiter, url, waiter.entry)
+            self._push(waiter, url)
         share.queued += 1
         self._waiting += 1
         self._live_entries += len(waiter.candidates)
         return waiter
 
-    def _push(self, waiter: _Waiter, url: str, entry: tuple[tuple, int]) -> None:
+    def _push(self, waiter: _Waiter, url: str) -> None:
+        """Queue `waiter` for `url` at its place (priority, seq), its share in that env's line."""
         share = waiter.share
         heap = share.heaps.get(url)
         if heap is None:
             heap = share.heaps[url] = []
             heapq.heappush(self._lines[url], (share.turn, share.order, share))
-        heapq.heappush(heap, (*entry, waiter))
+        heapq.heappush(heap, (*waiter.entry, waiter))
 
     def _leave(self, waiter: _Waiter) -> None:
         """The waiter was granted or cancelled: its heap entries die where they are."""

@@ -172,23 +172,10 @@ class RolloutService:
             await asyncio.sleep(every_s)
 
     async def _until_ready(self, name: str, probe: Callable[[], Awaitable[T]]) -> T:
-        """Ask `probe` until it answers; `_NotYet` means ask again later (backoff 0.25 s to 5 s)."""
-        delay, bound = 0.25, _ASK_TIMEOUT_S
-        while True:
-            try:
-                # Bounded: a backend that takes the connection and never answers is asked again.
-                answer = await asyncio.wait_for(probe(), bound)
-            except TimeoutError:
-                self.waiting_for[name] = f"asked, no answer within {bound:g}s"
-                bound = min(bound * 2, _ASK_TIMEOUT_MAX_S)
-                continue
-            except _NotYet as exc:
-                self.waiting_for[name] = str(exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            self.waiting_for.pop(name, None)
-            return answer
+        """`_ask_until_ready`, saying in `waiting_for` why `name` is still awaited."""
+        answer = await _ask_until_ready(probe, functools.partial(self.waiting_for.__setitem__, name))
+        self.waiting_for.pop(name, None)
+        return answer
 
     def cancel_in_background(self, groups: dict[asyncio.Future, int]) -> None:
         """Cancel these groups (task -> its attempts) in slices, as a task of the service's own that
@@ -289,7 +276,9 @@ class RolloutService:
         client = EnvClient(url)
         try:
             try:
-                found = await asyncio.wait_for(_ask_until_ready(url, client), body.timeout_s)
+                found = await asyncio.wait_for(
+                    _ask_until_ready(functools.partial(_ask_env, url, client)), body.timeout_s
+                )
                 env = _checked_env(found, client)
                 self._refuse_incomparable(env, found.tasks)
             except TimeoutError:
@@ -409,7 +398,9 @@ class RolloutService:
         self._adding.add(endpoint.url)
         started = time.monotonic()
         try:
-            models = await asyncio.wait_for(_ask_until_listed(route, endpoint), body.timeout_s)
+            models = await asyncio.wait_for(
+                _ask_until_ready(functools.partial(_ask_model, route, endpoint)), body.timeout_s
+            )
             if self.closing:
                 raise shutting_down()
             if body.role == "policy":
@@ -774,11 +765,6 @@ async def _ask_model(route: ModelRoute, endpoint: Endpoint) -> list[str]:
     return models
 
 
-async def _ask_until_listed(route: ModelRoute, endpoint: Endpoint) -> list[str]:
-    """_ask_model until it answers (a replica added at runtime: the caller bounds the whole wait)."""
-    return await _again_until_ready(functools.partial(_ask_model, route, endpoint))
-
-
 async def _ask_env(url: str, client: EnvClient) -> _Discovered:
     """The env's health and tasks, or _NotYet while it is not up (or not ready) yet."""
     try:
@@ -797,18 +783,22 @@ async def _ask_env(url: str, client: EnvClient) -> _Discovered:
     return _Discovered(url, health, tasks)
 
 
-async def _ask_until_ready(url: str, client: EnvClient) -> _Discovered:
-    """_ask_env until it answers (an env added at runtime: the caller bounds the whole wait)."""
-    return await _again_until_ready(functools.partial(_ask_env, url, client))
-
-
-async def _again_until_ready(ask: Callable[[], Awaitable[T]]) -> T:
-    """Ask until an answer that is not _NotYet, each try bounded, backing off 0.25 s to 5 s."""
-    delay = 0.25
+async def _ask_until_ready(probe: Callable[[], Awaitable[T]], waiting: Callable[[str], Any] | None = None) -> T:
+    """Ask `probe` until it answers, telling `waiting` why not yet. `_NotYet` means ask again later
+    (backoff 0.25 s to 5 s); each question is bounded (10 s, doubled after each that times out, up to
+    60 s): a backend that takes the connection and never answers is asked again. The caller bounds
+    the whole wait (--startup-timeout at start, timeout_s for one added at runtime)."""
+    delay, bound = 0.25, _ASK_TIMEOUT_S
     while True:
         try:
-            return await asyncio.wait_for(ask(), _ASK_TIMEOUT_S)
-        except (_NotYet, TimeoutError):
+            return await asyncio.wait_for(probe(), bound)
+        except TimeoutError:
+            if waiting is not None:
+                waiting(f"asked, no answer within {bound:g}s")
+            bound = min(bound * 2, _ASK_TIMEOUT_MAX_S)
+        except _NotYet as exc:
+            if waiting is not None:
+                waiting(str(exc))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
