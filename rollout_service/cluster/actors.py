@@ -27,6 +27,12 @@ def actor_name(kind: str, index: int) -> str:
     return f"{kind}-{index}"
 
 
+def piece_of(name: str) -> tuple[str, int] | None:
+    """(kind, index) of a piece's actor name; None for any other named actor."""
+    kind, _, index = name.rpartition("-")
+    return (kind, int(index)) if kind in KINDS and index.isdigit() else None
+
+
 class ServerProcess:
     """One server on this node. `cmd` may hold {host} and {port}; `builtin` ("vllm" or "refenv")
     builds the command here instead (the embedded model is prepared on this node)."""
@@ -101,26 +107,17 @@ class ServiceProcess(ServerProcess):
     """The rollout service, wired at each start to the replicas and envs running now (found by
     their actor names), so that a restarted service comes back with the current membership."""
 
-    def __init__(
-        self,
-        name: str,
-        port: int,
-        ready_path: str,
-        startup_timeout_s: float,
-        logs_dir: str,
-        env: dict[str, str],
-        model: str,
-        args: list[str],
-    ) -> None:
+    def __init__(self, model: str, args: list[str], **common: Any) -> None:
+        """`common`: ServerProcess's arguments but the command."""
         import ray
 
         urls: dict[str, list[str]] = {"replica": [], "env": []}
         for entry in sorted(ray.util.list_named_actors(all_namespaces=False)):
-            kind, _, index = entry.rpartition("-")
-            if kind in urls and index.isdigit():
-                with contextlib.suppress(Exception):  # one restarting now is added back by `ray scale`
+            piece = piece_of(entry)
+            if piece is not None and piece[0] in urls:
+                with contextlib.suppress(Exception):  # one restarting now is added back by `ray sync`
                     info: Any = ray.get(ray.get_actor(entry).info.remote(), timeout=30)
-                    urls[kind].append(info["url"])
+                    urls[piece[0]].append(info["url"])
         cmd = [
             sys.executable,
             "-m",
@@ -135,7 +132,7 @@ class ServiceProcess(ServerProcess):
             cmd += ["--vllm", url]
         for url in urls["env"]:
             cmd += ["--env", url]
-        super().__init__(name, port, ready_path, startup_timeout_s, logs_dir, env, cmd=cmd + args)
+        super().__init__(cmd=cmd + args, **common)
 
 
 def _builtin_command(builtin: dict[str, Any], host: str, port: int) -> tuple[list[str], dict[str, str]]:

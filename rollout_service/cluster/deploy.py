@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from .actors import ServerProcess, ServiceProcess, actor_name
+from .actors import ServerProcess, ServiceProcess, actor_name, piece_of
 from .config import ClusterConfig, ConfigError, Kind, with_count
 
 Say = Callable[[str], None]
@@ -228,12 +228,8 @@ def _leave(http: httpx.Client, kind: str, url: str, timeout_s: float) -> None:
 def _indices(kind: str) -> list[int]:
     import ray
 
-    found = []
-    for name in ray.util.list_named_actors(all_namespaces=False):
-        prefix, _, index = name.rpartition("-")
-        if prefix == kind and index.isdigit():
-            found.append(int(index))
-    return found
+    pieces = [piece_of(name) for name in ray.util.list_named_actors(all_namespaces=False)]
+    return [piece[1] for piece in pieces if piece is not None and piece[0] == kind]
 
 
 def _service_url() -> str:
