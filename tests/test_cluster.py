@@ -230,6 +230,8 @@ def test_a_killed_env_is_restarted_by_ray_and_taken_back(deployment):
 
 
 def test_scaling_envs_up_and_down_while_groups_run_loses_nothing(deployment):
+    """Break tried: scale stopping an env's actor without taking it out of the service first (no
+    POST /envs/remove) -> the attempts on it end env_failure (fails at `nothing lost`)."""
     service = deployment.service
     groups = [{"task_id": f"t01{i}", "n": 2, "retries": 0, "sampling": SAMPLING} for i in range(4)]
     lines: list[dict] = []
@@ -261,6 +263,8 @@ def test_scaling_envs_up_and_down_while_groups_run_loses_nothing(deployment):
 
 
 def test_down_leaves_no_process_of_the_stack(deployment):
+    """Break tried: down skipping the replicas -> the vLLM actor and its server live on (fails at the
+    /proc check)."""
     pieces = deployment.status()
     pids = [p[key] for p in pieces.values() for key in ("pid", "actor_pid") if p.get(key)]
     assert len(pids) == 6, pieces
