@@ -57,6 +57,7 @@ class Settings:
     grpo_steps: int = 4
     grpo_tasks: int = 6  # tasks per GRPO step
     grpo_n: int = 4
+    max_turns: int | None = None  # per episode of the policy's groups and measurements (None: the service's)
     eval_repeats: int = 2
     eval_limit: int | None = None  # measure only the first N eval tasks (None: all)
     eval_every: int = 2  # GRPO steps between measurements
@@ -79,10 +80,11 @@ class Settings:
             grpo_steps=1,
             grpo_tasks=2,
             grpo_n=2,
+            max_turns=2,  # answers the env rejects are asked again up to its limit: minutes on CPU
             eval_repeats=1,
-            eval_limit=3,
+            eval_limit=2,
             eval_every=1,
-            max_tokens=48,
+            max_tokens=32,
         )
 
 
@@ -362,6 +364,12 @@ class Run:
     def sampling(self, seed: int) -> dict:
         return {"temperature": self.settings.temperature, "max_tokens": self.settings.max_tokens, "seed": seed}
 
+    def request(self, task_id: str, n: int, seed: int, **fields: Any) -> dict:
+        """A group of the policy's, sampled and bounded as the settings say."""
+        if self.settings.max_turns:
+            fields["max_turns"] = self.settings.max_turns
+        return {"task_id": task_id, "n": n, "sampling": self.sampling(seed), **fields}
+
     def measure(self, stage: str) -> dict:
         model = MODEL if self.version == "base" else f"{MODEL}@{self.version}"
         config = ServiceConfig(env=[self.stack.eval_url], vllm=[self.stack.urls["vllm"]], model=model)
@@ -377,6 +385,7 @@ class Run:
                 max_tokens=self.settings.max_tokens,
                 model=None,
                 progress=lambda line: None,
+                max_turns=self.settings.max_turns,
             )
         )
         record = self.log.write(
@@ -449,7 +458,7 @@ class Run:
         tasks = self.train_tasks[: self.settings.rs_groups]
         started = time.monotonic()
         groups = self.groups(
-            [{"task_id": t, "n": self.settings.rs_n, "sampling": self.sampling(100 + i)} for i, t in enumerate(tasks)],
+            [self.request(t, self.settings.rs_n, 100 + i) for i, t in enumerate(tasks)],
             "rejection sampling",
         )
         self.log.write(
@@ -469,13 +478,7 @@ class Run:
             started = time.monotonic()
             groups = self.groups(
                 [
-                    {
-                        "task_id": t,
-                        "n": self.settings.grpo_n,
-                        "constrained": False,
-                        "max_staleness": 0,
-                        "sampling": self.sampling(1000 * (k + 1) + i),
-                    }
+                    self.request(t, self.settings.grpo_n, 1000 * (k + 1) + i, constrained=False, max_staleness=0)
                     for i, t in enumerate(tasks)
                 ],
                 f"grpo step {k + 1}: groups",

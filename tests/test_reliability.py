@@ -89,8 +89,8 @@ def test_many_trainers_beyond_the_pool_all_queue_nothing_refused(start_refenv, s
     env = start_refenv("--pool", "2")
     service = start_service([env.url])
     trainers = [
-        Background(service.url, {"task_id": t, "n": 3, "max_turns": 3, "sampling": SAMPLING})
-        for t in ("t001", "t002", "t003", "t004", "t019", "t020")
+        Background(service.url, {"task_id": t, "n": 2, "max_turns": 2, "sampling": SAMPLING})
+        for t in ("t001", "t002", "t004", "t019", "t020")
     ]
     saw_waiting = wait_until(
         lambda: httpx.get(f"{service.url}/health/detail").json()["attempts_waiting_for_a_world"] > 0, 30

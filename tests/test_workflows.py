@@ -53,12 +53,12 @@ def test_run_log_survives_restart_and_exports_round_trip(start_refenv, start_ser
     runs = tmp_path / "runs"
     first = start_service([env.url], "--runs-dir", str(runs), "--run-id", "r1")
     for task in ("t001", "t005"):
-        g = httpx.post(f"{first.url}/groups", timeout=300, json={"task_id": task, "n": 3, "sampling": SAMPLING}).json()
+        g = httpx.post(f"{first.url}/groups", timeout=300, json={"task_id": task, "n": 2, "sampling": SAMPLING}).json()
         assert g["run_id"] == "r1"
     assert httpx.get(f"{first.url}/health/detail").json()["run_id"] == "r1"
     first.proc.stop()
     second = start_service([env.url], "--runs-dir", str(runs), "--run-id", "r1")
-    httpx.post(f"{second.url}/groups", timeout=300, json={"task_id": "t002", "n": 3, "sampling": SAMPLING})
+    httpx.post(f"{second.url}/groups", timeout=300, json={"task_id": "t002", "n": 2, "sampling": SAMPLING})
     second.proc.stop()
     lines = (runs / "r1.jsonl").read_text().splitlines()
     assert [json.loads(x)["task_id"] for x in lines] == ["t001", "t005", "t002"]
@@ -142,6 +142,8 @@ def test_measure_prints_an_interval_containing_the_observed_rate(start_refenv, v
         "3",
         "--max-tokens",
         "32",
+        "--max-turns",
+        "2",
         "--json",
     )
     assert done.returncode == 0, done.stderr
@@ -164,6 +166,8 @@ def test_measure_prints_an_interval_containing_the_observed_rate(start_refenv, v
         "2",
         "--max-tokens",
         "16",
+        "--max-turns",
+        "2",
     )
     assert text.returncode == 0 and "Wilson interval" in text.stdout and "resolution floor" in text.stdout
 

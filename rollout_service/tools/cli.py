@@ -239,6 +239,13 @@ def _add_measure(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="measure only the first N tasks")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=None,
+        metavar="N",
+        help="model calls per episode before it counts as failed by the policy (default: the service's, 32)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument(
         "--startup-timeout",
@@ -257,6 +264,9 @@ def _measure(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         print("rollout-service measure: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    if args.max_turns is not None and not 1 <= args.max_turns <= 1000:
+        print("rollout-service measure: --max-turns must be between 1 and 1000", file=sys.stderr)
         return 2
     try:
         config = settings_from(
@@ -279,6 +289,7 @@ def _measure(args: argparse.Namespace) -> int:
                 max_tokens=args.max_tokens,
                 model=None,
                 progress=say,
+                max_turns=args.max_turns,
             )
         )
     except (StartupError, ValueError) as exc:

@@ -45,6 +45,7 @@ async def run_measure(
     max_tokens: int,
     model: str | None,
     progress=print,
+    max_turns: int | None = None,
 ) -> dict:
     service = RolloutService(config)
     try:
@@ -64,6 +65,7 @@ async def run_measure(
                 allow_greedy=True,
                 model=model,
                 sampling={"temperature": temperature, "max_tokens": max_tokens},
+                **({"max_turns": max_turns} if max_turns else {}),
             )
             resolved, policy = service.resolve(request)
             assert service.runner is not None
