@@ -204,7 +204,7 @@ def _stream_batch(service: str, groups: list[dict], lines: list[dict]) -> thread
 def test_update_mid_batch_each_turn_names_the_weights_that_made_it(start_refenv, start_service, vllm_url, tmp_path):
     env = start_refenv("--pool", "4")
     service = start_service([env.url]).url
-    batch = [{"task_id": f"t00{i % 4 + 1}", "n": 1, "sampling": GREEDY, "max_turns": 3} for i in range(8)]
+    batch = [{"task_id": f"t00{i % 4 + 1}", "n": 1, "sampling": GREEDY, "max_turns": 3} for i in range(6)]
     lines: list[dict] = []
     thread = _stream_batch(service, batch, lines)
     # Some turns done on the base weights, most of the batch still to run: update now.
@@ -245,7 +245,7 @@ def test_max_staleness_reruns_attempts_that_fell_behind(start_refenv, start_serv
     sampling = {"temperature": 1.0, "max_tokens": 24}
     batch = [
         {"task_id": f"t00{i % 4 + 1}", "n": 2, "sampling": sampling, "max_staleness": 0, "retries": 0, "max_turns": 4}
-        for i in range(6)
+        for i in range(4)
     ]
     lines: list[dict] = []
     thread = _stream_batch(service, batch, lines)
