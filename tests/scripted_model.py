@@ -7,7 +7,7 @@ oracle (which replica or support server got which requests, when they arrived) o
 certain (a model slower than a deadline). Everything else in the tests uses real vLLM.
 
     python tests/scripted_model.py --port P --script SCRIPT [--name NAME] [--delay SECONDS] [--sql-turns K]
-                                   [--listing-delay SECONDS]
+                                   [--listing-delay SECONDS] [--load-delay SECONDS]
 
 SCRIPT, one of:
   answer          every completion is {"action": "answer", "input": "1"}, with ids and logprobs
@@ -28,6 +28,9 @@ Options:
                     sleep this long before answering each GET /v1/models (default 0, counted on arrival):
                     a health probe that learns late what the server serves, so a request can reach a
                     restarted server before its prober does
+  --load-delay SECONDS
+                    sleep this long in each POST /v1/load_lora_adapter (default 0): a policy update
+                    that holds the service's replica list for a known time
 
 The models it serves, as vLLM started with `--enable-lora` and runtime LoRA updating:
   GET /v1/models    lists the served name, then every adapter loaded, as {"id": NAME} entries in `data`
@@ -90,7 +93,7 @@ SCRIPTS = ["answer", "sql-forever", "empty-choices", "overflow", "no-ids", "sql-
 
 def command(port: int, script: str, *flags: str) -> list[str]:
     """The command line that serves this stand-in on loopback `port` (flags: --name, --delay, --sql-turns,
-    --listing-delay)."""
+    --listing-delay, --load-delay)."""
     return [sys.executable, os.path.abspath(__file__), "--port", str(port), "--script", script, *flags]
 
 
@@ -105,7 +108,12 @@ def _count(counts: dict, key: object) -> None:
 
 
 def build(
-    script: str, name: str = "scripted", delay: float = 0.0, sql_turns: int = 2, listing_delay: float = 0.0
+    script: str,
+    name: str = "scripted",
+    delay: float = 0.0,
+    sql_turns: int = 2,
+    listing_delay: float = 0.0,
+    load_delay: float = 0.0,
 ) -> Starlette:
     adapters: dict[str, str] = {}  # loaded LoRA adapter name -> the path it was loaded from
     stats: dict = {
@@ -117,6 +125,7 @@ def build(
         "arrivals": [],
         "adapters": adapters,
         "events": [],
+        "loads_started": 0,
     }
 
     async def models(request: Request) -> JSONResponse:
@@ -128,6 +137,9 @@ def build(
 
     async def load_adapter(request: Request) -> Response:
         body = await request.json()
+        stats["loads_started"] += 1
+        if load_delay:
+            await asyncio.sleep(load_delay)
         lora_name, lora_path = body.get("lora_name"), body.get("lora_path")
         if not lora_name or not lora_path:
             return _error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
@@ -229,9 +241,15 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.0, help="seconds to sleep before each chat answer")
     parser.add_argument("--sql-turns", type=int, default=2, help="queries before answering (sql-then-answer)")
     parser.add_argument("--listing-delay", type=float, default=0.0, help="seconds to sleep before each /v1/models")
+    parser.add_argument("--load-delay", type=float, default=0.0, help="seconds to sleep in each adapter load")
     args = parser.parse_args()
     app = build(
-        args.script, name=args.name, delay=args.delay, sql_turns=args.sql_turns, listing_delay=args.listing_delay
+        args.script,
+        name=args.name,
+        delay=args.delay,
+        sql_turns=args.sql_turns,
+        listing_delay=args.listing_delay,
+        load_delay=args.load_delay,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

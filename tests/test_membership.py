@@ -16,7 +16,7 @@ import httpx
 import pytest
 from helpers import wait_until
 
-from rollout_service.trainer.client import BatchItem, RequestRejected, RolloutClient
+from rollout_service.trainer.client import BatchItem, RequestRejected, RolloutClient, ServiceUnavailable
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 
@@ -326,3 +326,35 @@ def test_support_replicas_come_and_go_too(start_refenv, start_service, start_scr
         assert stats(second)["requests"] == len(responder) and stats(first)["requests"] == before
         roles = {(m["role"], m["url"]) for m in client.health_detail()["models"]}
         assert roles == {("policy", policy.url), ("support", second.url)}
+
+
+def test_a_replica_added_during_a_long_update_is_answered_at_its_timeout(
+    start_refenv, start_service, start_scripted_model, tmp_path
+):
+    """A replica joins between updates. One added while an update still loads an adapter (the
+    scripted replica takes 20 s to load it) is answered 504 at its own timeout_s, while the update
+    still runs, and is not added; once the update is done it joins. Break tried: join waiting for
+    the update lock without a bound -> the add waits for the update and succeeds (DID NOT RAISE)."""
+    loading = start_scripted_model("answer", "--load-delay", "20")
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], vllm=loading.url, model="scripted")
+    adapter = tmp_path / "adapter-v1"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    updates: list[object] = []
+    with RolloutClient(service.url, timeout_s=120) as client:
+        update = threading.Thread(target=lambda: updates.append(client.update_policy("v1", lora=str(adapter))))
+        update.start()
+        assert wait_until(lambda: stats(loading)["loads_started"] == 1, 30)
+        joining = start_scripted_model("answer")
+        with pytest.raises(ServiceUnavailable) as late:
+            client.add_replica(joining.url, timeout_s=2)
+        assert update.is_alive(), "update still running when the add was answered"
+        assert late.value.status == 504 and late.value.error == "replica_not_ready", late.value
+        assert "update" in late.value.message
+        assert [r.url for r in client.policy().replicas] == [loading.url]
+        update.join(60)
+        assert [u.version for u in updates] == ["v1"]  # type: ignore[attr-defined]
+        added = client.add_replica(joining.url, timeout_s=30)
+        assert added.routed and added.version == "v1", added
+        assert stats(joining)["events"][0] == "load:scripted@v1"

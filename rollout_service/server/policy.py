@@ -492,13 +492,22 @@ class PolicyManager:
 
     # -- membership ----------------------------------------------------------------------------
 
-    async def join(self, endpoint: Endpoint, models: list[str]) -> None:
+    async def join(self, endpoint: Endpoint, models: list[str], timeout_s: float) -> bool:
         """A new replica: out of routing until it is checked to serve the current version, and
-        brought there (an adapter loaded, full weights reloaded) if it does not."""
-        async with self._lock:  # not in the middle of an update that walks the replica list
+        brought there (an adapter loaded, full weights reloaded) if it does not. False, and not
+        added, when an update still walks the replica list after `timeout_s`."""
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await self._lock.acquire()  # a cancelled acquire leaves the lock free (asyncio.Lock)
+        except TimeoutError:
+            return False
+        try:
             self.serving[endpoint.url] = None
             self.client.add(endpoint, f"joining: routed once it serves version {self.current.label}")
+        finally:
+            self._lock.release()
         await self.reconcile(endpoint, models)
+        return True
 
     async def leave(self, endpoint: Endpoint) -> None:
         """Forget a drained replica (its turns are over), between updates."""

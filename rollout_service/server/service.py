@@ -404,7 +404,13 @@ class RolloutService:
             if self.closing:
                 raise shutting_down()
             if body.role == "policy":
-                await self.versions.join(endpoint, models)
+                if not await self.versions.join(endpoint, models, body.timeout_s - (time.monotonic() - started)):
+                    raise RequestRefused(
+                        504,
+                        "replica_not_ready",
+                        f"{body.url} answers, but a policy update still ran after timeout_s={body.timeout_s:g} "
+                        "(a replica joins between updates): add it again once GET /policy shows the update done",
+                    )
             else:
                 route.client.add(endpoint)
         except TimeoutError:
