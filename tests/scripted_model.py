@@ -63,6 +63,7 @@ GET /stats: the server's own view, an oracle for the tests (per process: a resta
                     "load:NAME" and "unload:NAME" for each adapter loaded or unloaded (refused ones
                     are not events), "chat:MODEL:STATUS" for each chat request on arrival, with the
                     status it is answered with (200; 404 for an unknown model; 400 for `overflow`)
+  loads_started     POST /v1/load_lora_adapter calls received (counted on arrival, before --load-delay)
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from helpers import wait_until
 
-from rollout_service.trainer.client import BatchItem, RequestRejected, RolloutClient, ServiceUnavailable
+from rollout_service.trainer.client import BatchItem, RequestRejected, RolloutClient
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 
@@ -332,10 +332,11 @@ def test_a_replica_added_during_a_long_update_is_answered_at_its_timeout(
     start_refenv, start_service, start_scripted_model, tmp_path
 ):
     """A replica joins between updates. One added while an update still loads an adapter (the
-    scripted replica takes 20 s to load it) is answered 504 at its own timeout_s, while the update
+    scripted replica takes 20 s to load it) is answered 409 policy_busy at its own timeout_s, while the update
     still runs, and is not added; once the update is done it joins. Break tried: join waiting for
     the update lock without a bound -> the add waits for the update and succeeds (DID NOT RAISE)."""
     loading = start_scripted_model("answer", "--load-delay", "20")
+    joining = start_scripted_model("answer")  # started now: its start-up must not eat the update's 20 s
     env = start_refenv("--pool", "2")
     service = start_service([env.url], vllm=loading.url, model="scripted")
     adapter = tmp_path / "adapter-v1"
@@ -346,11 +347,10 @@ def test_a_replica_added_during_a_long_update_is_answered_at_its_timeout(
         update = threading.Thread(target=lambda: updates.append(client.update_policy("v1", lora=str(adapter))))
         update.start()
         assert wait_until(lambda: stats(loading)["loads_started"] == 1, 30)
-        joining = start_scripted_model("answer")
-        with pytest.raises(ServiceUnavailable) as late:
+        with pytest.raises(RequestRejected) as late:
             client.add_replica(joining.url, timeout_s=2)
         assert update.is_alive(), "update still running when the add was answered"
-        assert late.value.status == 504 and late.value.error == "replica_not_ready", late.value
+        assert late.value.status == 409 and late.value.error == "policy_busy", late.value
         assert "update" in late.value.message
         assert [r.url for r in client.policy().replicas] == [loading.url]
         update.join(60)

@@ -245,7 +245,7 @@ def test_max_staleness_reruns_attempts_that_fell_behind(start_refenv, start_serv
     sampling = {"temperature": 1.0, "max_tokens": 24}
     batch = [
         {"task_id": f"t00{i % 4 + 1}", "n": 2, "sampling": sampling, "max_staleness": 0, "retries": 0, "max_turns": 4}
-        for i in range(4)
+        for i in range(6)
     ]
     lines: list[dict] = []
     thread = _stream_batch(service, batch, lines)

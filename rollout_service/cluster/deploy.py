@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,12 @@ Say = Callable[[str], None]
 
 
 class ClusterError(Exception):
-    """A cluster command cannot go on; the message says why and what to do."""
+    """A cluster command cannot go on; the message says why and what to do. `error`: the service's
+    error code when it refused a request."""
+
+    def __init__(self, message: str, error: str | None = None) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 def connect(config: ClusterConfig, address: str | None) -> None:
@@ -216,8 +222,18 @@ def _running(kind: str) -> list[dict[str, Any]]:
 
 
 def _join(http: httpx.Client, kind: str, url: str, timeout_s: float) -> None:
+    """Add the piece; a replica is asked again while a policy update holds the service's replica
+    list (409 policy_busy: it joins between updates), until `timeout_s`."""
     path = "/envs" if kind == "env" else "/replicas"
-    _call(http, "POST", path, {"url": url, "timeout_s": min(timeout_s, 3600)})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(1.0, deadline - time.monotonic())
+        try:
+            _call(http, "POST", path, {"url": url, "timeout_s": min(left, 3600)})
+            return
+        except ClusterError as exc:
+            if exc.error != "policy_busy" or time.monotonic() >= deadline:
+                raise
 
 
 def _leave(http: httpx.Client, kind: str, url: str, timeout_s: float) -> None:
@@ -257,7 +273,13 @@ def _call(http: httpx.Client, method: str, path: str, body: dict | None = None) 
     except httpx.HTTPError as exc:
         raise ClusterError(f"the service does not answer {method} {path}: {exc}") from None
     if response.status_code >= 400:
-        raise ClusterError(f"the service answered {method} {path} with {response.status_code}: {response.text[:500]}")
+        try:
+            error = response.json().get("error")
+        except (ValueError, AttributeError):
+            error = None
+        raise ClusterError(
+            f"the service answered {method} {path} with {response.status_code}: {response.text[:500]}", error
+        )
     return response.json()
 
 

@@ -231,7 +231,8 @@ async def remove_env(body: EnvRemove, request: Request) -> EnvRemoved:
     description="It must list the model within timeout_s (504 replica_not_ready; 422 replica_refused if it "
     "serves another). A policy replica is routed to only once it serves the current version: the service "
     "brings it there (adapter loaded, full weights reloaded) and answers when it is routed, or at timeout_s "
-    "with routed: false and the reason.",
+    "with routed: false and the reason. It joins between policy updates: 409 policy_busy if one (or a restarted "
+    "replica's restore) still runs at timeout_s; add it again.",
 )
 async def add_replica(body: ReplicaAdd, request: Request) -> ReplicaState:
     return await asyncio.shield(_service(request).add_replica(body))

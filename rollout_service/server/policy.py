@@ -495,7 +495,7 @@ class PolicyManager:
     async def join(self, endpoint: Endpoint, models: list[str], timeout_s: float) -> bool:
         """A new replica: out of routing until it is checked to serve the current version, and
         brought there (an adapter loaded, full weights reloaded) if it does not. False, and not
-        added, when an update still walks the replica list after `timeout_s`."""
+        added, when an update or a restore still holds the replica list after `timeout_s`."""
         try:
             async with asyncio.timeout(max(0.0, timeout_s)):
                 await self._lock.acquire()  # a cancelled acquire leaves the lock free (asyncio.Lock)

@@ -406,10 +406,11 @@ class RolloutService:
             if body.role == "policy":
                 if not await self.versions.join(endpoint, models, body.timeout_s - (time.monotonic() - started)):
                     raise RequestRefused(
-                        504,
-                        "replica_not_ready",
-                        f"{body.url} answers, but a policy update still ran after timeout_s={body.timeout_s:g} "
-                        "(a replica joins between updates): add it again once GET /policy shows the update done",
+                        409,
+                        "policy_busy",
+                        f"{body.url} answers, but a policy update (or a restarted replica's restore) still held "
+                        f"the replica list at timeout_s={body.timeout_s:g}; a replica joins between them: add it "
+                        "again",
                     )
             else:
                 route.client.add(endpoint)

@@ -294,7 +294,8 @@ class RolloutClient(_BaseClient):
 
     def add_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
         """Route to one more model server replica; a policy one once it serves the current version
-        (`routed` says whether it does by `timeout_s`)."""
+        (`routed` says whether it does by `timeout_s`). RequestRejected `policy_busy` if a policy
+        update still runs at `timeout_s` (a replica joins between them): add it again."""
         body = ReplicaAdd.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
         response = self._http.post("/replicas", json=body, timeout=None)
         self._raise_for(response)
