@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import uvicorn
+from pydantic import ValidationError
 
 from ..flags import add_flags, parse_listen, settings_from
+from ..protocol import GroupRequest
 from ..server.config import ENV_PREFIX, ServiceConfig
 
 
@@ -244,7 +246,8 @@ def _add_measure(sub) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="model calls per episode before it counts as failed by the policy (default: the service's, 32)",
+        help="model calls per episode before it counts as failed by the policy (default: a group's, "
+        f"{GroupRequest.model_fields['max_turns'].default})",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument(
@@ -265,9 +268,12 @@ def _measure(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("rollout-service measure: --repeats must be at least 1", file=sys.stderr)
         return 2
-    if args.max_turns is not None and not 1 <= args.max_turns <= 1000:
-        print("rollout-service measure: --max-turns must be between 1 and 1000", file=sys.stderr)
-        return 2
+    if args.max_turns is not None:
+        try:  # the group request it goes into holds the bounds
+            GroupRequest.model_validate({"task_id": "-", "max_turns": args.max_turns})
+        except ValidationError as exc:
+            print(f"rollout-service measure: --max-turns: {exc.errors()[0]['msg']}", file=sys.stderr)
+            return 2
     try:
         config = settings_from(
             argparse.Namespace(env=args.env, vllm=args.vllm, model=args.model, startup_timeout=args.startup_timeout),
