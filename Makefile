@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-done
+# Test processes (pytest-xdist): they share one vLLM and the machine (tests/shared_vllm.py). Two keep a
+# 2-core machine busy while one test waits on a server; more buy little there and add contention.
+TEST_WORKERS ?= 2
 # This machine keeps its CPU build of torch in a local wheel folder; elsewhere pip's own config decides.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check $(FIND_LINKS)
@@ -33,7 +36,7 @@ train-demo: setup
 	$(BIN)/python examples/reference_trainer.py --out results/train
 
 test: setup tools lint
-	$(BIN)/python -m pytest -ra --durations=25
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -ra --durations=25
 
 # Lint, format and type checks (configured in pyproject.toml); part of `make test`.
 lint: setup

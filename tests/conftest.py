@@ -1,24 +1,28 @@
-"""Real processes for the tests: one CPU vLLM server per session, refenv and the service per test or module.
+"""Real processes for the tests: one CPU vLLM server per run, refenv and the service per test or module.
 
 Set ROLLOUT_TEST_VLLM_URL to use an already running vLLM server serving the embedded default
-model (e.g. `rollout-service vllm`) instead of starting one.
+model (e.g. `rollout-service vllm`) instead of starting one. Under `pytest -n N` (pytest-xdist, as
+`make test` runs) the workers share one server: see tests/shared_vllm.py.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import shared_vllm
 from helpers import assert_env_accounted, wait_until
 
 from inference import embedded_model
 from rollout_service.tools.stack import (
     ManagedProcess,
     free_port,
+    launch_embedded_vllm,
     refenv_command,
     service_command,
     start_embedded_vllm,
@@ -36,6 +40,61 @@ def pytest_configure(config) -> None:
         "the service's back), so start_service's teardown does not require the env's max_waiting == 0; "
         "the env's episode counters must still add up",
     )
+    config.addinivalue_line(
+        "markers",
+        f"{shared_vllm.ALONE_MARK}: under pytest-xdist the test runs while no other test runs: it changes what "
+        "the shared vLLM answers for every caller (weights, a pause, dropped requests), or its outcome depends on "
+        "timing that other tests' load would distort",
+    )
+
+
+_SHARED_VLLM = pytest.StashKey[ManagedProcess | None]()
+_SHARED_INFO = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """xdist's controller, once per worker: the first call starts the shared vLLM (unless one is given)."""
+    config = node.config
+    if _SHARED_INFO not in config.stash:
+        root = config._tmp_path_factory.getbasetemp()
+        given = os.environ.get("ROLLOUT_TEST_VLLM_URL")
+        info: dict = {"lock": str(root / "vllm.lock"), "url": None, "pid": None, "log": None}
+        proc = None
+        if not given:
+            port = free_port()
+            log = root / "logs" / "vllm.log"
+            proc = launch_embedded_vllm(port, log, kv_cache_gib=3, die_with_parent=True)
+            info.update(url=f"http://127.0.0.1:{port}", pid=proc.proc.pid if proc.proc else None, log=str(log))
+        config.stash[_SHARED_VLLM] = proc
+        config.stash[_SHARED_INFO] = info
+    node.workerinput[shared_vllm.WORKERINPUT_KEY] = config.stash[_SHARED_INFO]
+
+
+def pytest_unconfigure(config) -> None:
+    proc = config.stash.get(_SHARED_VLLM, None)
+    if proc is not None:
+        proc.stop()
+
+
+def _shared_info(config) -> dict | None:
+    """On an xdist worker: what the controller handed it about the shared vLLM; else None."""
+    return getattr(config, "workerinput", {}).get(shared_vllm.WORKERINPUT_KEY)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem) -> Iterator[None]:
+    """On an xdist worker, each test (its fixtures' set-up and teardown too) holds a turn: shared with the
+    other workers' tests, or alone for a test marked `alone`."""
+    info = _shared_info(item.config)
+    if info is None:
+        return (yield)
+    exclusive = item.get_closest_marker(shared_vllm.ALONE_MARK) is not None
+    if exclusive and info["url"]:
+        # The controller's vLLM start-up (a compile on every core) is load no lock covers: let it finish first.
+        shared_vllm.wait_ready(info["url"], info["pid"], info["log"])
+    with shared_vllm.turn(Path(info["lock"]), exclusive):
+        return (yield)
 
 
 @dataclass
@@ -53,11 +112,16 @@ def logs_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_url(logs_dir) -> str:
+def vllm_url(logs_dir, request) -> Iterator[str]:
     """A real vLLM server (CPU build) with the embedded default model, started once per session."""
     given = os.environ.get("ROLLOUT_TEST_VLLM_URL")
     if given:
         yield given.rstrip("/")
+        return
+    shared = _shared_info(request.config)
+    if shared is not None and shared["url"]:
+        shared_vllm.wait_ready(shared["url"], shared["pid"], shared["log"])
+        yield shared["url"]
         return
     port = free_port()
     proc = start_embedded_vllm(

@@ -283,6 +283,7 @@ def restore_weights(vllm_url):
     assert reset.json()["success"] is True
 
 
+@pytest.mark.alone  # it swaps, pauses and relabels the shared vLLM's base weights
 def test_full_weights_from_disk_and_pushed_by_the_trainer(
     start_refenv, start_service, vllm_url, tmp_path, restore_weights
 ):

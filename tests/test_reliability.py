@@ -145,6 +145,7 @@ def own_vllm(logs_dir):
         proc.stop()
 
 
+@pytest.mark.alone  # two start-ups of its own vLLM: beside other tests they took over 600 s
 def test_vllm_killed_mid_group_and_restarted(start_refenv, start_service, own_vllm):
     url, start_vllm = own_vllm
     vllm = start_vllm()

@@ -237,6 +237,7 @@ def most_within(arrivals: list[float], window_s: float, skip_first_s: float = 0.
     return max((sum(1 for u in arrivals if t <= u < t + window_s) for t in arrivals if t >= start), default=0)
 
 
+@pytest.mark.alone  # the rate is timed where requests arrive: another test's load would bunch them
 def test_max_requests_per_second_caps_the_rate_to_the_model(start_refenv, start_service, scripted):
     """#12.4: the same group through a service with --max-requests-per-second 6 and one without,
     each on its own stand-in that records when each request arrived. The capped one never gets more

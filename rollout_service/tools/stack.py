@@ -63,6 +63,27 @@ def service_command(
     return cmd + list(flags)
 
 
+def launch_embedded_vllm(
+    port: int,
+    log_path: Path,
+    *,
+    name: str = "vllm",
+    kv_cache_gib: int = 4,
+    eager: bool = False,
+    die_with_parent: bool = False,
+) -> ManagedProcess:
+    """start_embedded_vllm without the wait: the process is started, not yet answering (its start-up
+    can overlap other work; poll /v1/models before use)."""
+    model_dir = embedded_model.prepare()
+    cmd = local_server.vllm_command(
+        model_dir, served_name=embedded_model.MODEL_NAME, port=port, extra=["--enforce-eager"] if eager else None
+    )
+    env = local_server.vllm_environment(kv_cache_gib=kv_cache_gib)
+    proc = ManagedProcess(name, cmd, log_path, env, die_with_parent=die_with_parent)
+    proc.start()
+    return proc
+
+
 def start_embedded_vllm(
     port: int,
     log_path: Path,
@@ -75,12 +96,7 @@ def start_embedded_vllm(
 ) -> ManagedProcess:
     """The embedded default model (prepared once) on a local vLLM at loopback `port`, started and
     answering /v1/models: the one launcher the stack, the tests and the benchmarks use."""
-    model_dir = embedded_model.prepare()
-    cmd = local_server.vllm_command(
-        model_dir, served_name=embedded_model.MODEL_NAME, port=port, extra=["--enforce-eager"] if eager else None
-    )
-    proc = ManagedProcess(name, cmd, log_path, local_server.vllm_environment(kv_cache_gib=kv_cache_gib))
-    proc.start()
+    proc = launch_embedded_vllm(port, log_path, name=name, kv_cache_gib=kv_cache_gib, eager=eager)
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/v1/models", timeout_s=timeout_s, progress=progress)
     except BaseException:
