@@ -7,6 +7,8 @@ model (e.g. `rollout-service vllm`) instead of starting one. Under `pytest -n N`
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -48,6 +50,25 @@ def pytest_configure(config) -> None:
     )
 
 
+# Test files by how long they take, longest first (`make test` prints the slowest tests). xdist's
+# loadfile hands out whole files in collection order: the long ones start first and the short ones
+# fill in, instead of the long ones starting last and running on after the other worker is done.
+LONGEST_FIRST = (
+    "test_policy.py",
+    "test_cluster.py",
+    "test_reference_trainer.py",
+    "test_reliability.py",
+    "test_service.py",
+    "test_workflows.py",
+    "test_trajectory.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 _SHARED_VLLM = pytest.StashKey[ManagedProcess | None]()
 _SHARED_INFO = pytest.StashKey[dict]()
 
@@ -65,6 +86,7 @@ def pytest_configure_node(node) -> None:
             port = free_port()
             log = root / "logs" / "vllm.log"
             proc = launch_embedded_vllm(port, log, kv_cache_gib=3, die_with_parent=True)
+            atexit.register(proc.stop)  # also when the controller leaves without pytest_unconfigure (a second ^C)
             info.update(url=f"http://127.0.0.1:{port}", pid=proc.proc.pid if proc.proc else None, log=str(log))
         config.stash[_SHARED_VLLM] = proc
         config.stash[_SHARED_INFO] = info
@@ -92,7 +114,8 @@ def pytest_runtest_protocol(item, nextitem) -> Iterator[None]:
     exclusive = item.get_closest_marker(shared_vllm.ALONE_MARK) is not None
     if exclusive and info["url"]:
         # The controller's vLLM start-up (a compile on every core) is load no lock covers: let it finish first.
-        shared_vllm.wait_ready(info["url"], info["pid"], info["log"])
+        with contextlib.suppress(RuntimeError):  # it never came up: the test's vllm_url fixture says so, as an error
+            shared_vllm.wait_ready(info["url"], info["pid"], info["log"], model=MODEL)
     with shared_vllm.turn(Path(info["lock"]), exclusive):
         return (yield)
 
@@ -120,7 +143,7 @@ def vllm_url(logs_dir, request) -> Iterator[str]:
         return
     shared = _shared_info(request.config)
     if shared is not None and shared["url"]:
-        shared_vllm.wait_ready(shared["url"], shared["pid"], shared["log"])
+        shared_vllm.wait_ready(shared["url"], shared["pid"], shared["log"], model=MODEL)
         yield shared["url"]
         return
     port = free_port()

@@ -48,14 +48,16 @@ def turn(lock_path: Path, exclusive: bool) -> Iterator[None]:
             fcntl.flock(server, fcntl.LOCK_UN)
 
 
-def wait_ready(url: str, pid: int | None, log_path: str | None, timeout_s: float = 900) -> None:
-    """Poll the controller's vLLM until it lists its models; fail at once if its process is gone."""
+def wait_ready(url: str, pid: int | None, log_path: str | None, model: str, timeout_s: float = 900) -> None:
+    """Poll the controller's vLLM until it lists `model` (not just any server that took the port first: a
+    test's stand-in model could, while vLLM was still loading); fail at once if its process is gone."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
+            answer = httpx.get(f"{url}/v1/models", timeout=2.0)
+            if answer.status_code == 200 and model in {m.get("id") for m in answer.json().get("data", [])}:
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError, AttributeError):
             pass
         if pid is not None and not _running(pid):
             raise RuntimeError(

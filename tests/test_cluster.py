@@ -180,6 +180,7 @@ def post_group(service: str, body: dict, timeout: float = 300) -> dict:
     return group
 
 
+@pytest.mark.alone  # the first test: it starts the Ray cluster and its vLLM, 82 s alone, 434 s beside others
 def test_up_places_each_piece_on_its_node_and_groups_score(deployment):
     pieces = {p["name"]: p for p in deployment.up["pieces"]}
     assert set(pieces) == {"replica-0", "env-0", "service-0"}

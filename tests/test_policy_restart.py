@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 from helpers import assert_accounted, wait_until
 from scripted_model import command as scripted_command
 
@@ -197,6 +198,7 @@ def test_a_turn_sent_while_the_replica_is_down_waits_for_it_to_be_back_on_v1(
     stack.assert_detail_on_v1()
 
 
+@pytest.mark.alone  # its turns must beat a 2 s probe to the replica: beside another test the probe won
 def test_a_turn_that_reaches_the_restarted_replica_first_is_refused_then_answered_on_v1(
     launch, start_refenv, start_service, tmp_path
 ):

@@ -36,17 +36,20 @@ def greedy(vllm: str, model: str, prompt: list[dict]) -> str:
 
 
 @pytest.fixture
-def vllm_without_adapters(vllm_url):
-    yield vllm_url
-    for name in served(vllm_url):  # leave the session's server as the other tests expect it
-        if name.startswith(f"{MODEL}@"):
-            httpx.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+def train_out(vllm_url, tmp_path):
+    """The run's output folder; afterwards the adapters it pushed (its "update" records) are unloaded,
+    and only those: another test may be serving adapters of its own on the shared server."""
+    out = tmp_path / "train"
+    yield out
+    steps = out / "steps.jsonl"
+    records = [json.loads(line) for line in steps.read_text().splitlines()] if steps.exists() else []
+    for version in {r["version"] for r in records if r.get("kind") == "update"}:
+        httpx.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": f"{MODEL}@{version}"}, timeout=60)
 
 
 @pytest.mark.timeout(1800)
-def test_smoke_run_connects_every_stage(vllm_without_adapters, tmp_path):
-    vllm = vllm_without_adapters
-    out = tmp_path / "train"
+def test_smoke_run_connects_every_stage(vllm_url, train_out):
+    vllm, out = vllm_url, train_out
     run = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "reference_trainer.py"), "--smoke", "--vllm", vllm, "--out", str(out)],
         cwd=ROOT,
