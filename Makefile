@@ -36,7 +36,7 @@ train-demo: setup
 	$(BIN)/python examples/reference_trainer.py --out results/train
 
 test: setup tools lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -ra --durations=25
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -ra --durations=25
 
 # Lint, format and type checks (configured in pyproject.toml); part of `make test`.
 lint: setup

@@ -50,25 +50,6 @@ def pytest_configure(config) -> None:
     )
 
 
-# Test files by how long they take, longest first (`make test` prints the slowest tests). xdist's
-# loadfile hands out whole files in collection order: the long ones start first and the short ones
-# fill in, instead of the long ones starting last and running on after the other worker is done.
-LONGEST_FIRST = (
-    "test_policy.py",
-    "test_cluster.py",
-    "test_reference_trainer.py",
-    "test_reliability.py",
-    "test_service.py",
-    "test_workflows.py",
-    "test_trajectory.py",
-)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
-
 _SHARED_VLLM = pytest.StashKey[ManagedProcess | None]()
 _SHARED_INFO = pytest.StashKey[dict]()
 
