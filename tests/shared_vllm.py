@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from rollout_service.tools.stack import log_tail
+
 WORKERINPUT_KEY = "rollout_shared_vllm"
 ALONE_MARK = "alone"
 
@@ -60,9 +62,8 @@ def wait_ready(url: str, pid: int | None, log_path: str | None, model: str, time
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
         if pid is not None and not _running(pid):
-            raise RuntimeError(
-                f"the shared vLLM (pid {pid}) exited while starting; its log: {log_path}\n{_tail(log_path)}"
-            )
+            tail = log_tail(log_path) if log_path else ""
+            raise RuntimeError(f"the shared vLLM (pid {pid}) exited while starting; its log: {log_path}\n{tail}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the shared vLLM at {url} did not answer within {timeout_s:g}s; its log: {log_path}")
         time.sleep(0.5)
@@ -73,12 +74,3 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def _tail(log_path: str | None, lines: int = 25) -> str:
-    if not log_path:
-        return ""
-    try:
-        return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"

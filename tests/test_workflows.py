@@ -172,6 +172,30 @@ def test_measure_prints_an_interval_containing_the_observed_rate(start_refenv, v
     assert text.returncode == 0 and "Wilson interval" in text.stdout and "resolution floor" in text.stdout
 
 
+def test_measure_max_turns_stops_each_episode_and_says_so(start_refenv, start_scripted_model):
+    """--max-turns must reach every episode: a model that only ever queries (a scripted stand-in, the
+    real one may answer at once) is stopped after that many calls, which the env's own step counter sees,
+    and the JSON says which limit the rate was measured under."""
+    model = start_scripted_model("sql-forever")
+    evals = start_refenv("--pool", "4", "--split", "auto:0.8", "--side", "eval")
+    before = httpx.get(f"{evals.url}/health", timeout=10).json()
+    max_turns = 2
+    done = cli(
+        "measure", "--env", evals.url, "--vllm", model.url, "--model", "scripted",
+        "--repeats", "2", "--limit", "2", "--max-turns", str(max_turns), "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    m = json.loads(done.stdout)
+    assert m["max_turns"] == max_turns and m["sampling"]["max_tokens"] == 128
+    episodes = m["scheduled"]
+    assert episodes == 4 and m["policy_failures"] == episodes and m["pass_rate"] == 0.0
+    after = httpx.get(f"{evals.url}/health", timeout=10).json()
+    started = after["episodes"]["started"] - before["episodes"]["started"]
+    steps = after["steps"] - before["steps"]
+    # Each episode got at most max_turns completions (the last may be abandoned before it is stepped).
+    assert started == episodes and (max_turns - 1) * episodes <= steps <= max_turns * episodes, (started, steps)
+
+
 def test_demo_runs_groups_and_stops_what_it_started(vllm_url, tmp_path):
     """The README's first command, on the session's vLLM (the demo starts its own refenv and service)."""
     out = tmp_path / "demo.json"

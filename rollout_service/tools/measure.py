@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections import defaultdict
 
@@ -47,6 +48,7 @@ async def run_measure(
     progress=print,
     max_turns: int | None = None,
 ) -> dict:
+    max_turns = max_turns or GroupRequest.model_fields["max_turns"].default
     service = RolloutService(config)
     try:
         await service.start(say=progress)
@@ -65,7 +67,7 @@ async def run_measure(
                 allow_greedy=True,
                 model=model,
                 sampling={"temperature": temperature, "max_tokens": max_tokens},
-                **({"max_turns": max_turns} if max_turns else {}),
+                max_turns=max_turns,
             )
             resolved, policy = service.resolve(request)
             assert service.runner is not None
@@ -78,10 +80,10 @@ async def run_measure(
         groups = await asyncio.gather(*(one(t) for t in targets))
     finally:
         await service.close()
-    return summarize_measurement(groups, service, repeats)
+    return summarize_measurement(groups, service, repeats, max_turns)
 
 
-def summarize_measurement(groups: list[GroupResult], service: RolloutService, repeats: int) -> dict:
+def summarize_measurement(groups: list[GroupResult], service: RolloutService, repeats: int, max_turns: int) -> dict:
     """Pass rate over the attempts the policy is accountable for: the env's grades and the policy's own
     failures (looping past max_turns, overflowing the context, the deadline), which count as not
     passed. Infrastructure failures are excluded and counted apart."""
@@ -102,6 +104,8 @@ def summarize_measurement(groups: list[GroupResult], service: RolloutService, re
     return {
         "tasks": len(groups),
         "repeats": repeats,
+        "max_turns": max_turns,
+        "sampling": groups[0].sampling if groups else None,
         "scheduled": sum(g.counts.scheduled for g in groups),
         "graded": len(graded),
         "scored": len(graded) - policy_failed,
@@ -126,7 +130,8 @@ def format_measurement(m: dict) -> str:
         f"{m['passes']}/{m['graded']} attempts: {m['scored']} graded by the env, {m['policy_failures']} failed by "
         f"the policy itself (counted as not passed); {m['unscorable']} unscorable (infrastructure, excluded); "
         f"{m['scheduled']} scheduled",
-        f"mean reward {'-' if m['mean_reward'] is None else format(m['mean_reward'], '.3f')}",
+        f"mean reward {'-' if m['mean_reward'] is None else format(m['mean_reward'], '.3f')}; "
+        f"at most {m['max_turns']} model calls per episode; sampling {json.dumps(m['sampling'])}",
         f"resolution floor: with {m['graded']} attempts ({m['tasks']} tasks x {m['repeats']} repeats), "
         f"two checkpoints whose pass rates differ by less than {m['resolution_floor']:.3f} are not distinguishable",
         "by category: " + ", ".join(f"{k} {v['passes']}/{v['scored']}" for k, v in m["by_category"].items()),

@@ -128,6 +128,14 @@ class StackError(Exception):
     """A process of the stack did not start; the message says which and shows its log's tail."""
 
 
+def log_tail(path: Path | str, lines: int = 25) -> str:
+    """The last `lines` lines of a process's log, for an error that says why it died."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 @dataclass
 class ManagedProcess:
     """A child process in its own process group, with its output in a log file."""
@@ -157,10 +165,7 @@ class ManagedProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, then SIGKILL what is left after `grace_s`."""
