@@ -363,6 +363,28 @@ def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too(
     run(go())
 
 
+def test_r14_a_lora_update_before_a_restore_puts_the_adapter_on_the_right_full_weights(tmp_path):
+    """r1 restarted on its launch weights while the policy stood on full weights v1; the monitor found it
+    and spawned its restore, but a LoRA update took the lock first. The adapter must not be routed over
+    the launch weights: every turn labelled with it comes from v1 + the adapter, on both replicas."""
+
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        v1 = checkpoint(tmp_path, "v1")
+        await pm.update(PolicyUpdate(version="v1", weights={"path": v1}))
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        r1.restart()
+        await pm.reconcile(ep1, await chat.list_models(ep1))  # the restore is spawned, not yet holding the lock
+        await pm.update(PolicyUpdate(version="a2", lora={"path": "/adapters/a2"}))
+        assert await until(lambda: not pm._restoring and ep1.excluded is None)
+        before = len(r1.chats())
+        for k in range(8):
+            assert await turn(chat, pm, f"g{k}") == ("a2", f"{v1}+/adapters/a2")
+        assert len(r1.chats()) > before, "r1 was never routed: the test did not look at it"
+
+    run(go())
+
+
 # -- shutdown ------------------------------------------------------------------------------------------
 
 
@@ -381,5 +403,24 @@ def test_r13_close_during_a_full_weight_update_leaves_nothing_paused(tmp_path):
         assert isinstance(result, PolicyUpdateResult)
         assert fleet.paused == [False, False]
         assert [(r.weights, r.label) for r in fleet.replicas.values()] == [(v1, "v1")] * 2
+
+    run(go())
+
+
+def test_r15_a_replica_found_restarted_after_close_gets_no_restore(tmp_path):
+    """Shutting down: a probe (or a join that waited for the update lock) finding a replica on other weights
+    must not start a reload that outlives the service."""
+
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        await pm.update(PolicyUpdate(version="v1", weights={"path": checkpoint(tmp_path, "v1")}))
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        r1.restart()
+        reloads = len(r1.calls("/collective_rpc"))
+        await pm.close()
+        await pm.reconcile(ep1, await chat.list_models(ep1))
+        await asyncio.sleep(0)  # a restore spawned now would have made its first call by the next check
+        assert not pm._tasks and len(r1.calls("/collective_rpc")) == reloads and r1.label == "default"
+        await pm.weights.aclose()
 
     run(go())

@@ -84,6 +84,7 @@ class PolicyManager:
         self._in_flight: Counter[str] = Counter()  # served model name -> turns in flight on it
         self._restoring: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._closing = False
         self.history: deque[PolicyUpdateResult] = deque(maxlen=20)
         client.on_failure = self._on_failure
 
@@ -121,6 +122,7 @@ class PolicyManager:
     async def close(self) -> None:
         """Never leave a replica paused: wait (bounded) for an update under way, then resume what
         the trainer's pause still holds."""
+        self._closing = True  # a replica that joins or is probed from now on gets no restore started
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -270,10 +272,18 @@ class PolicyManager:
             return result
 
     async def _load_adapter_everywhere(self, version: PolicyVersion) -> list[_Outcome]:
+        """The adapter on every replica. One not yet checked to serve a version (it joined, or restarted,
+        and its restore has not run) may be on other full weights than those beneath the adapter: it is
+        restored as the monitor would, weights first, instead of getting the adapter over whatever it has."""
         assert version.path is not None
         return list(
             await asyncio.gather(
-                *(self._timed(e.url, self._load_and_check(e.url, version)) for e in self.client.endpoints)
+                *(
+                    self._timed(e.url, self._load_and_check(e.url, version))
+                    if self.serving.get(e.url) is not None
+                    else self._timed(e.url, self._bring_to(e.url, version))
+                    for e in self.client.endpoints
+                )
             )
         )
 
@@ -460,14 +470,17 @@ class PolicyManager:
         try:
             async with self._lock:  # never alongside an update: one of the two would undo the other
                 if version is self.current and not self.paused:
-                    await self._restore_locked(endpoint, version)
+                    await self._bring_to(url, version)
+                    self.serving[url] = version.label
+                    self.client.exclude(endpoint, None)
+                    log.warning("replica %s brought back to version %s", url, version.label)
         except WeightUpdateError as exc:
             self.client.exclude(endpoint, f"could not be brought to version {version.label}: {exc.detail}")
         finally:
             self._restoring.discard(url)
 
-    async def _restore_locked(self, endpoint: Endpoint, version: PolicyVersion) -> None:
-        url = endpoint.url
+    async def _bring_to(self, url: str, version: PolicyVersion) -> None:
+        """Full weights first where they differ from those `version` stands on, then its adapter."""
         if url in self._resume_failed:
             await self.weights.resume(url)
             self._resume_failed.discard(url)
@@ -486,9 +499,6 @@ class PolicyManager:
             await self._reload_labelled(url, beneath)
         if version.kind == "lora":
             await self._load_and_check(url, version)
-        self.serving[url] = version.label
-        self.client.exclude(endpoint, None)
-        log.warning("replica %s brought back to version %s", url, version.label)
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -535,6 +545,9 @@ class PolicyManager:
         return next(e for e in self.client.endpoints if e.url == url)
 
     def _spawn(self, coro) -> None:
+        if self._closing:
+            coro.close()
+            return
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -412,6 +412,8 @@ class RolloutService:
                         f"the replica list at timeout_s={body.timeout_s:g}; a replica joins between them: add it "
                         "again",
                     )
+                if self.closing:  # the join waited for the update lock while a stop was asked for
+                    raise shutting_down()
             else:
                 route.client.add(endpoint)
         except TimeoutError:
