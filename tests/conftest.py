@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,7 +98,10 @@ def pytest_runtest_protocol(item, nextitem) -> Iterator[None]:
         # The controller's vLLM start-up (a compile on every core) is load no lock covers: let it finish first.
         with contextlib.suppress(RuntimeError):  # it never came up: the test's vllm_url fixture says so, as an error
             shared_vllm.wait_ready(info["url"], info["pid"], info["log"], model=MODEL)
+    asked = time.monotonic()
     with shared_vllm.turn(Path(info["lock"]), exclusive):
+        # Read back by the controller's summary: the time lost to `alone` turns.
+        item.user_properties.append((shared_vllm.WAIT_PROPERTY, (exclusive, round(time.monotonic() - asked, 1))))
         return (yield)
 
 
@@ -257,7 +261,23 @@ def start_scripted_model(launch):
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """A check skipped for want of a tool must not pass unnoticed in a green run: say it last, loudly."""
+    """How long tests waited for their turns on the shared vLLM (what the `alone` marks cost a run on
+    several workers); then, last and loudly, any check skipped for want of a tool."""
+    waits = [
+        value
+        for report in terminalreporter.getreports("")
+        if report.when == "setup"
+        for name, value in report.user_properties
+        if name == shared_vllm.WAIT_PROPERTY
+    ]
+    if waits:
+        alone = [s for exclusive, s in waits if exclusive]
+        shared = [s for exclusive, s in waits if not exclusive]
+        terminalreporter.write_sep(
+            "-",
+            f"turns: {len(alone)} alone test(s) waited {sum(alone):.0f} s for the others to finish; "
+            f"{len(shared)} other tests waited {sum(shared):.0f} s in all for alone ones",
+        )
     missing = [r for r in terminalreporter.stats.get("skipped", []) if "is not installed" in str(r.longrepr)]
     if missing:
         terminalreporter.write_sep("!", f"{len(missing)} check(s) NOT RUN: a tool is missing", red=True, bold=True)

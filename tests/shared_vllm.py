@@ -28,6 +28,7 @@ from rollout_service.tools.stack import log_tail
 
 WORKERINPUT_KEY = "rollout_shared_vllm"
 ALONE_MARK = "alone"
+WAIT_PROPERTY = "shared_vllm_turn_wait"
 
 
 @contextmanager
