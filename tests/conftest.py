@@ -86,6 +86,21 @@ def _shared_info(config) -> dict | None:
     return getattr(config, "workerinput", {}).get(shared_vllm.WORKERINPUT_KEY)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the `alone` tests last, as one unit (see shared_vllm.AloneLastScheduling)."""
+    if config.getvalue("dist") != "loadfile" or _SHARED_INFO not in config.stash:
+        return None
+    return shared_vllm.AloneLastScheduling(config, log, Path(config.stash[_SHARED_INFO]["lock"]))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    info = _shared_info(config)
+    if info is not None:  # on an xdist worker: tell the controller's scheduler which tests are `alone`
+        marked = [item.nodeid for item in items if item.get_closest_marker(shared_vllm.ALONE_MARK) is not None]
+        shared_vllm.write_alone_list(Path(info["lock"]), marked)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem) -> Iterator[None]:
     """On an xdist worker, each test (its fixtures' set-up and teardown too) holds a turn: shared with the

@@ -11,18 +11,26 @@ weights, pause it, drop its running requests), and those whose outcome depends o
 another test's load would distort (a rate measured at the receiver, two vLLM start-ups against a
 deadline). The lock is flock(2): shared for a test, exclusive for a marked one, with a turnstile so
 that a waiting `alone` test is not starved by the next shared ones.
+
+Each `alone` test waits for the test running on the other worker, and that worker then waits for it:
+one worker idle twice per mark. `AloneLastScheduling` (`--dist loadfile`, as `make test` runs it)
+therefore sends the marked tests as one work unit after every file, where nothing is left to wait for.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import psutil
+from xdist.scheduler import LoadFileScheduling
 
 from rollout_service.tools.stack import log_tail
 
@@ -75,3 +83,66 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def alone_list(lock_path: Path) -> Path:
+    """Where the workers write the node ids of the tests marked `alone`: xdist's controller sees only
+    node ids, not marks."""
+    return lock_path.with_suffix(".alone.json")
+
+
+def write_alone_list(lock_path: Path, nodeids: list[str]) -> None:
+    """Every worker writes the same list (they collect the same tests); a rename keeps a reader from
+    seeing half of one."""
+    path = alone_list(lock_path)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps(nodeids))
+    os.replace(partial, path)
+
+
+ALONE_UNIT = "tests marked alone"
+
+
+class _AloneUnitLast(OrderedDict):
+    """xdist's queue of work units, which it fills in its own order (the most tests first): the
+    `alone` unit stays at the end whatever comes after it."""
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if key != ALONE_UNIT and ALONE_UNIT in self:
+            self.move_to_end(ALONE_UNIT)
+
+
+class AloneLastScheduling(LoadFileScheduling):
+    """`--dist loadfile`, except that the tests marked `alone` make one work unit of their own, sent
+    after every file's (so a file's module fixtures are set up twice if some of its tests are marked
+    and others not: mark a whole module when its set-up is what the mark is for)."""
+
+    def __init__(self, config, log, lock_path: Path) -> None:
+        super().__init__(config, log)
+        self.workqueue = _AloneUnitLast()
+        self._lock_path = lock_path
+        self._alone: set[str] | None = None
+
+    def _reschedule(self, node) -> None:
+        if self.workqueue and next(iter(self.workqueue)) == ALONE_UNIT and self._others_busy(node):
+            return  # sent once the other workers are on their last test: each marked test would wait for theirs
+        super()._reschedule(node)
+
+    def _others_busy(self, node) -> bool:
+        # A worker holds its last test until it is sent more work or told to stop (it runs each test
+        # knowing the next): one pending test is not running, and waiting on it would never end.
+        return any(self._pending_of(work) > 1 for other, work in self.assigned_work.items() if other is not node)
+
+    def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
+        super().mark_test_complete(node, item_index, duration)
+        for other in self.nodes:  # a worker held back from the `alone` unit may take it now
+            if other is not node:
+                self._reschedule(other)
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self._alone is None:
+            # First called once every worker has reported its collection, so the list is written.
+            path = alone_list(self._lock_path)
+            self._alone = set(json.loads(path.read_text())) if path.exists() else set()
+        return ALONE_UNIT if nodeid in self._alone else super()._split_scope(nodeid)

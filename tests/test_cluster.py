@@ -31,6 +31,10 @@ from rollout_service.tools.stack import free_port, port_in_use
 
 pytest.importorskip("ray", reason="ray is not installed (the `ray` extra; `make test` installs it)")
 
+# The whole module: its set-up (the Ray cluster and its own vLLM) took 82 s alone and 434 s beside other
+# tests, and it is shared by its tests, so they all run in the `alone` unit (see tests/shared_vllm.py).
+pytestmark = pytest.mark.alone
+
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -182,7 +186,6 @@ def post_group(service: str, body: dict, timeout: float = 300) -> dict:
     return group
 
 
-@pytest.mark.alone  # the first test: it starts the Ray cluster and its vLLM, 82 s alone, 434 s beside others
 def test_up_places_each_piece_on_its_node_and_groups_score(deployment):
     pieces = {p["name"]: p for p in deployment.up["pieces"]}
     assert set(pieces) == {"replica-0", "env-0", "service-0"}
