@@ -126,7 +126,12 @@ class AloneLastScheduling(LoadFileScheduling):
 
     def _reschedule(self, node) -> None:
         if self.workqueue and next(iter(self.workqueue)) == ALONE_UNIT and self._others_busy(node):
-            return  # sent once the other workers are on their last test: each marked test would wait for theirs
+            # Not while another worker has tests to run: each marked test would wait for theirs. A worker
+            # down to its last test would only ever get this unit, which the busier one takes after its
+            # file: it stops, so it runs that last test now instead of holding it until then.
+            if not node.shutting_down and self._pending_of(self.assigned_work.get(node, {})) <= 1:
+                node.shutdown()
+            return
         super()._reschedule(node)
 
     def _others_busy(self, node) -> bool:
