@@ -125,7 +125,9 @@ class AloneLastScheduling(LoadFileScheduling):
         self._alone: set[str] | None = None
 
     def _reschedule(self, node) -> None:
-        if self.workqueue and next(iter(self.workqueue)) == ALONE_UNIT and self._others_busy(node):
+        if node not in self.registered_collections:
+            return  # a worker that replaces a crashed one, still collecting: scheduled once it has
+        if self._alone_held_back(node):
             # Not while another worker has tests to run: each marked test would wait for theirs. A worker
             # down to its last test would only ever get this unit, which the busier one takes after its
             # file: it stops, so it runs that last test now instead of holding it until then.
@@ -133,6 +135,13 @@ class AloneLastScheduling(LoadFileScheduling):
                 node.shutdown()
             return
         super()._reschedule(node)
+
+    def _assign_work_unit(self, node) -> None:
+        if not self._alone_held_back(node):  # xdist's first distribution calls this directly
+            super()._assign_work_unit(node)
+
+    def _alone_held_back(self, node) -> bool:
+        return bool(self.workqueue) and next(iter(self.workqueue)) == ALONE_UNIT and self._others_busy(node)
 
     def _others_busy(self, node) -> bool:
         # A worker holds its last test until it is sent more work or told to stop (it runs each test

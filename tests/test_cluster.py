@@ -44,7 +44,7 @@ def free_ports(count: int) -> int:
     ephemeral range (32768-60999), where the kernel hands out ports to other tests' bind(0) and
     outgoing connections, which could take one between this check and the piece's own bind."""
     for _ in range(200):
-        base = random.randrange(20000, 30000)
+        base = random.randrange(20000, 30000 - count + 1)  # Ray's workers take 30000 and up (ray_cluster)
         if not any(port_in_use(base + i) for i in range(count)):
             return base
     raise RuntimeError("no free port range")

@@ -407,6 +407,32 @@ def test_r13_close_during_a_full_weight_update_leaves_nothing_paused(tmp_path):
     run(go())
 
 
+@pytest.mark.parametrize("fault", ["half", "clean", "silent-restart"])
+def test_r16_a_lora_update_never_routes_its_adapter_over_other_full_weights(tmp_path, fault):
+    """From the review of r14: r1's reload of v2 failed half-way or cleanly (it stays out of routing, its
+    last label v1 or `reloading:v2`), or r1 restarted on its launch weights and nothing has noticed yet
+    (still in routing). A LoRA update then lands: every turn labelled with it comes from the full weights
+    it stands on plus the adapter, on whichever replicas serve it."""
+
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        v1, v2 = checkpoint(tmp_path, "v1"), checkpoint(tmp_path, "v2")
+        await pm.update(PolicyUpdate(version="v1", weights={"path": v1}))
+        r1 = fleet[1]
+        beneath = v1
+        if fault == "silent-restart":
+            r1.restart()
+        else:
+            r1.reload_fail = fault
+            await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))  # r0 takes it, r1 does not
+            r1.reload_fail, beneath = None, v2
+        await pm.update(PolicyUpdate(version="a3", lora={"path": "/adapters/a3"}))
+        for k in range(8):
+            assert await turn(chat, pm, f"g{k}") == ("a3", f"{beneath}+/adapters/a3")
+
+    run(go())
+
+
 def test_r15_a_replica_found_restarted_after_close_gets_no_restore(tmp_path):
     """Shutting down: a probe (or a join that waited for the update lock) finding a replica on other weights
     must not start a reload that outlives the service."""

@@ -122,7 +122,11 @@ class PolicyManager:
     async def close(self) -> None:
         """Never leave a replica paused: wait (bounded) for an update under way, then resume what
         the trainer's pause still holds."""
-        self._closing = True  # a replica that joins or is probed from now on gets no restore started
+        self.begin_close()
+        if self._tasks:
+            # A restore cancelled in the middle of a reload leaves its replica labelled as reloading (the
+            # next start refuses it): let what runs end first, within bounds.
+            await asyncio.wait(set(self._tasks), timeout=30)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -137,6 +141,10 @@ class PolicyManager:
                 await self._resume(self._paused_urls)
         finally:
             self._lock.release()
+
+    def begin_close(self) -> None:
+        """Shutting down: no restore starts from now on (for a replica that joins or is probed)."""
+        self._closing = True
 
     # -- turns -------------------------------------------------------------------------------
 
@@ -272,20 +280,33 @@ class PolicyManager:
             return result
 
     async def _load_adapter_everywhere(self, version: PolicyVersion) -> list[_Outcome]:
-        """The adapter on every replica. One not yet checked to serve a version (it joined, or restarted,
-        and its restore has not run) may be on other full weights than those beneath the adapter: it is
-        restored as the monitor would, weights first, instead of getting the adapter over whatever it has."""
+        """The adapter on every replica, over the full weights it stands on. A replica out of routing or
+        not yet checked (it joined or restarted, or a reload failed there) is brought there as a restore
+        would, weights first. One in routing is checked: on other weights (it restarted, and nobody has
+        noticed yet) it does not take the version, and the monitor restores it, rather than having its
+        weights reloaded under the turns it runs."""
         assert version.path is not None
         return list(
             await asyncio.gather(
                 *(
-                    self._timed(e.url, self._load_and_check(e.url, version))
-                    if self.serving.get(e.url) is not None
-                    else self._timed(e.url, self._bring_to(e.url, version))
+                    self._timed(e.url, self._bring_to(e.url, version))
+                    if self.serving.get(e.url) is None or e.excluded is not None
+                    else self._timed(e.url, self._load_over_checked_weights(e.url, version))
                     for e in self.client.endpoints
                 )
             )
         )
+
+    async def _load_over_checked_weights(self, url: str, version: PolicyVersion) -> None:
+        label = await self._label(url)
+        if not _weights_match(label, version.weights_label):
+            raise WeightUpdateError(
+                url,
+                "load adapter",
+                f"it serves weights labelled {label!r}, not {version.weights_label or 'the base checkpoint'} "
+                "beneath the adapter (restarted?): out of routing until it is brought there",
+            )
+        await self._load_and_check(url, version)
 
     async def _load_and_check(self, url: str, version: PolicyVersion) -> None:
         assert version.path is not None
@@ -414,6 +435,8 @@ class PolicyManager:
     async def reconcile(self, endpoint: Endpoint, models: list[str]) -> None:
         """Called by the monitor for a replica that answered: is it on the current version? If not,
         take it out of routing and bring it there (in the background)."""
+        if self._closing:
+            return
         if self._lock.locked() or self.paused or endpoint.url in self._restoring:
             return  # an update, the trainer's pause or a restore is deciding for it
         if endpoint not in self.client.endpoints:
@@ -459,10 +482,7 @@ class PolicyManager:
             return False
         if version.kind == "lora" and version.served_model not in models:
             return False
-        label = await self._label(url)
-        if version.weights_label is None:
-            return label in _DEFAULT_WEIGHTS  # a restarted replica serves the base checkpoint too
-        return label == version.weights_label
+        return _weights_match(await self._label(url), version.weights_label)
 
     async def _restore(self, endpoint: Endpoint, version: PolicyVersion) -> None:
         """Bring a replica to `version`: its full weights first where they differ, then its adapter."""
@@ -487,7 +507,7 @@ class PolicyManager:
         beneath = version.weights if version.kind == "lora" else version
         label = await self._label(url)
         wanted = version.weights_label
-        if label != wanted and not (wanted is None and label in _DEFAULT_WEIGHTS):
+        if not _weights_match(label, wanted):
             if beneath is None or beneath.kind == "base" or beneath.path is None:
                 raise WeightUpdateError(
                     url,
@@ -563,6 +583,12 @@ class PolicyManager:
             return outcome
         except Exception as exc:  # a closed client, an answer that is not JSON: this replica's failure
             return _Outcome(url, False, round(time.monotonic() - started, 3), f"{type(exc).__name__}: {exc}"[:500])
+
+
+def _weights_match(label: str | None, wanted: str | None) -> bool:
+    """A replica labelled `label` serves the full weights labelled `wanted` (None: the base checkpoint,
+    which a restarted replica serves too)."""
+    return label == wanted or (wanted is None and label in _DEFAULT_WEIGHTS)
 
 
 @dataclass

@@ -190,6 +190,7 @@ class RolloutService:
         """Shutting down: refuse new groups, cancel every running one; their episodes are abandoned on
         the way out."""
         self.closing = True
+        self.versions.begin_close()  # a replica that joins from now on gets no restore started
         for task in list(self._running):
             task.cancel()
 
