@@ -71,19 +71,14 @@ def launch_embedded_vllm(
     kv_cache_gib: int = 4,
     eager: bool = False,
     die_with_parent: bool = False,
-    every_core: bool = False,
 ) -> ManagedProcess:
     """start_embedded_vllm without the wait: the process is started, not yet answering (its start-up
-    can overlap other work; poll /v1/models before use). `every_core`: the CPU build's worker computes
-    on every core this process may use, instead of keeping one for the API server (its default, which
-    on two cores leaves it one); an operator's own VLLM_CPU_OMP_THREADS_BIND wins."""
+    can overlap other work; poll /v1/models before use)."""
     model_dir = embedded_model.prepare()
     cmd = local_server.vllm_command(
         model_dir, served_name=embedded_model.MODEL_NAME, port=port, extra=["--enforce-eager"] if eager else None
     )
     env = local_server.vllm_environment(kv_cache_gib=kv_cache_gib)
-    if every_core:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
     proc = ManagedProcess(name, cmd, log_path, env, die_with_parent=die_with_parent)
     proc.start()
     return proc
