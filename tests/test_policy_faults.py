@@ -447,6 +447,24 @@ def test_r15_a_replica_found_restarted_after_close_gets_no_restore(tmp_path):
         await pm.reconcile(ep1, await chat.list_models(ep1))
         await asyncio.sleep(0)  # a restore spawned now would have made its first call by the next check
         assert not pm._tasks and len(r1.calls("/collective_rpc")) == reloads and r1.label == "default"
+        assert not pm._restoring  # nothing marked as being restored that no task will ever clear
+        await pm.weights.aclose()
+
+    run(go())
+
+
+def test_r15_a_turn_ending_after_close_starts_no_adapter_unload():
+    """A turn still on an old adapter ends after close: its adapter is left loaded (the replicas outlive the
+    service), rather than an unload task started that nothing will wait for."""
+
+    async def go():
+        _, _, pm = await make_manager(1)
+        await pm.update(PolicyUpdate(version="a1", lora={"path": "/adapters/a1"}))
+        lease = await pm.lease()
+        await pm.update(PolicyUpdate(version="a2", lora={"path": "/adapters/a2"}))  # a1 still in flight
+        await pm.close()
+        pm.release(lease)  # the last a1 turn: an unload of a1 would be spawned here
+        assert not pm._tasks
         await pm.weights.aclose()
 
     run(go())
