@@ -49,6 +49,11 @@ def pytest_configure(config) -> None:
         "the shared vLLM answers for every caller (weights, a pause, dropped requests), or its outcome depends on "
         "timing that other tests' load would distort",
     )
+    config.addinivalue_line(
+        "markers",
+        f"{shared_vllm.EARLY_MARK}: under pytest-xdist the test's file is sent to a worker first: the test is so "
+        "long that, started late, the other workers would wait for it at the end",
+    )
 
 
 _SHARED_VLLM = pytest.StashKey[ManagedProcess | None]()
@@ -100,8 +105,11 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items) -> None:
     info = _shared_info(config)
     if info is not None:  # on an xdist worker: tell the controller's scheduler which tests are `alone`
-        marked = [item.nodeid for item in items if item.get_closest_marker(shared_vllm.ALONE_MARK) is not None]
-        shared_vllm.write_alone_list(Path(info["lock"]), marked)
+        marked = {
+            mark: [item.nodeid for item in items if item.get_closest_marker(mark) is not None]
+            for mark in (shared_vllm.ALONE_MARK, shared_vllm.EARLY_MARK)
+        }
+        shared_vllm.write_marked_list(Path(info["lock"]), marked)
 
 
 @pytest.hookimpl(wrapper=True)

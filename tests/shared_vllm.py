@@ -15,6 +15,8 @@ that a waiting `alone` test is not starved by the next shared ones.
 Each `alone` test waits for the test running on the other worker, and that worker then waits for it:
 one worker idle twice per mark. `AloneLastScheduling` (`--dist loadfile`, as `make test` runs it)
 therefore sends the marked tests as one work unit after every file, where nothing is left to wait for.
+It sends the files of tests marked `early` first: one so long that, started late, the others would
+wait for it at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from rollout_service.tools.stack import log_tail
 
 WORKERINPUT_KEY = "rollout_shared_vllm"
 ALONE_MARK = "alone"
+EARLY_MARK = "early"
 WAIT_PROPERTY = "shared_vllm_turn_wait"
 
 
@@ -85,31 +88,39 @@ def _running(pid: int) -> bool:
         return False
 
 
-def alone_list(lock_path: Path) -> Path:
-    """Where the workers write the node ids of the tests marked `alone`: xdist's controller sees only
-    node ids, not marks."""
-    return lock_path.with_suffix(".alone.json")
+def marked_list(lock_path: Path) -> Path:
+    """Where the workers write the node ids of the tests marked `alone` and `early`, by mark: xdist's
+    controller sees only node ids, not marks."""
+    return lock_path.with_suffix(".marked.json")
 
 
-def write_alone_list(lock_path: Path, nodeids: list[str]) -> None:
-    """Every worker writes the same list (they collect the same tests); a rename keeps a reader from
+def write_marked_list(lock_path: Path, marked: dict[str, list[str]]) -> None:
+    """Every worker writes the same lists (they collect the same tests); a rename keeps a reader from
     seeing half of one."""
-    path = alone_list(lock_path)
+    path = marked_list(lock_path)
     partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(nodeids))
+    partial.write_text(json.dumps(marked))
     os.replace(partial, path)
 
 
 ALONE_UNIT = "tests marked alone"
 
 
-class _AloneUnitLast(OrderedDict):
-    """xdist's queue of work units, which it fills in its own order (the most tests first): the
-    `alone` unit stays at the end whatever comes after it."""
+class _WorkQueue(OrderedDict):
+    """xdist's queue of work units, which it fills in its own order (the most tests first): `early`
+    units go to the front, and the `alone` unit stays at the end whatever comes after it."""
+
+    def __init__(self, early: Callable[[str], bool]) -> None:
+        super().__init__()
+        self._early = early
 
     def __setitem__(self, key, value) -> None:
         super().__setitem__(key, value)
-        if key != ALONE_UNIT and ALONE_UNIT in self:
+        if key == ALONE_UNIT:
+            return
+        if self._early(key):
+            self.move_to_end(key, last=False)
+        elif ALONE_UNIT in self:
             self.move_to_end(ALONE_UNIT)
 
 
@@ -120,9 +131,9 @@ class AloneLastScheduling(LoadFileScheduling):
 
     def __init__(self, config, log, lock_path: Path) -> None:
         super().__init__(config, log)
-        self.workqueue = _AloneUnitLast()
+        self.workqueue = _WorkQueue(lambda unit: unit in self._marked(EARLY_MARK))
         self._lock_path = lock_path
-        self._alone: set[str] | None = None
+        self._marks: dict[str, set[str]] | None = None
 
     def _reschedule(self, node) -> None:
         if node not in self.registered_collections:
@@ -154,9 +165,17 @@ class AloneLastScheduling(LoadFileScheduling):
             if other is not node:
                 self._reschedule(other)
 
+    def _marked(self, mark: str) -> set[str]:
+        """The node ids marked `alone`, or the files (units) of those marked `early`."""
+        if self._marks is None:
+            # First called once every worker has reported its collection, so the lists are written.
+            path = marked_list(self._lock_path)
+            lists = json.loads(path.read_text()) if path.exists() else {}
+            self._marks = {
+                ALONE_MARK: set(lists.get(ALONE_MARK, [])),
+                EARLY_MARK: {super(AloneLastScheduling, self)._split_scope(n) for n in lists.get(EARLY_MARK, [])},
+            }
+        return self._marks[mark]
+
     def _split_scope(self, nodeid: str) -> str:
-        if self._alone is None:
-            # First called once every worker has reported its collection, so the list is written.
-            path = alone_list(self._lock_path)
-            self._alone = set(json.loads(path.read_text())) if path.exists() else set()
-        return ALONE_UNIT if nodeid in self._alone else super()._split_scope(nodeid)
+        return ALONE_UNIT if nodeid in self._marked(ALONE_MARK) else super()._split_scope(nodeid)

@@ -48,6 +48,7 @@ def train_out(vllm_url, tmp_path):
 
 
 @pytest.mark.timeout(1800)
+@pytest.mark.early  # the longest test (326 s at f242315): sent last, the alone tests waited 158 s for it
 def test_smoke_run_connects_every_stage(vllm_url, train_out):
     vllm, out = vllm_url, train_out
     run = subprocess.run(
