@@ -72,9 +72,9 @@ def pytest_configure_node(node) -> None:
         if not given:
             port = free_port()
             log = root / "logs" / "vllm.log"
-            # On the CPU build's default cores (one of two computing). Every core made tests/test_policy.py
-            # alone faster (290 s against 408 s), but the whole suite slower: 38.8 min against 32.1 (the
-            # tests' own CPU work, a trainer's included, lost to the server's threads).
+            # Computing on every core but one (one of two here), in its engine process. Every core made
+            # tests/test_policy.py alone faster (290 s against 408 s), but the whole suite slower: 38.8 min
+            # against 32.1 (the tests' own CPU work, a trainer's included, lost to the server's threads).
             proc = launch_embedded_vllm(port, log, kv_cache_gib=3, die_with_parent=True)
             atexit.register(proc.stop)  # also when the controller leaves without pytest_unconfigure (a second ^C)
             info.update(url=f"http://127.0.0.1:{port}", pid=proc.proc.pid if proc.proc else None, log=str(log))

@@ -468,3 +468,54 @@ def test_r15_a_turn_ending_after_close_starts_no_adapter_unload():
         await pm.weights.aclose()
 
     run(go())
+
+
+def test_r17_close_lets_a_restore_under_way_finish_its_reload(tmp_path):
+    """A restore in the middle of a reload when the service stops: close() waits for it (bounded), so the
+    replica is left on the version's weights and label, not half-way with a `reloading:` label that its
+    next start would refuse. Break tried: close() cancelling its tasks at once (no bounded wait) -> the
+    replica is left on its launch weights."""
+
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        path = checkpoint(tmp_path, "v1")
+        await pm.update(PolicyUpdate(version="v1", weights={"path": path}))
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        label = r1.label
+        r1.restart()
+        r1.reload_delay = 0.5
+        reloads = len(r1.calls("/collective_rpc"))
+        await pm.reconcile(ep1, await chat.list_models(ep1))
+        assert await until(lambda: len(r1.calls("/collective_rpc")) > reloads)  # the reload is under way
+        await pm.close()
+        assert (r1.weights, r1.label) == (path, label), (r1.weights, r1.label)
+        assert not pm._tasks and not pm._restoring
+        await pm.weights.aclose()
+
+    run(go())
+
+
+def test_r15_a_stop_asked_of_the_service_stops_restores_from_starting(tmp_path):
+    """The service's own stop (`cancel_running`, which the server calls as its shutdown begins, before its
+    groups have drained): from then on a replica found restarted gets no restore. Break tried: cancel_running
+    not telling the policy manager -> the probe starts a reload."""
+    from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.service import RolloutService
+
+    async def go():
+        svc = RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://r0"], model=BASE))
+        await svc.versions.weights.aclose()
+        fleet, chat, pm = await make_manager(2)
+        svc.versions = pm
+        await pm.update(PolicyUpdate(version="v1", weights={"path": checkpoint(tmp_path, "v1")}))
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        r1.restart()
+        reloads = len(r1.calls("/collective_rpc"))
+        svc.cancel_running()
+        await pm.reconcile(ep1, await chat.list_models(ep1))
+        await asyncio.sleep(0)  # a restore spawned now would have made its first call by the next check
+        assert not pm._tasks and len(r1.calls("/collective_rpc")) == reloads and r1.label == "default"
+        await pm.close()
+        await pm.weights.aclose()
+
+    run(go())
