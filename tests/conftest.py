@@ -104,7 +104,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items) -> None:
     info = _shared_info(config)
-    if info is not None:  # on an xdist worker: tell the controller's scheduler which tests are `alone`
+    if info is not None:  # on an xdist worker: tell the controller's scheduler which tests are `alone` or `early`
         marked = {
             mark: [item.nodeid for item in items if item.get_closest_marker(mark) is not None]
             for mark in (shared_vllm.ALONE_MARK, shared_vllm.EARLY_MARK)
