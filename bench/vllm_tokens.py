@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import contextlib
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 
 from inference.embedded_model import MODEL_NAME
 
@@ -39,23 +39,16 @@ async def _round(http: httpx.AsyncClient, args: argparse.Namespace) -> int:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU time of `pid` and its descendants now alive, from /proc (0 without a pid)."""
+    """User + system CPU time of `pid` and its descendants now alive (0 without a pid)."""
     if pid is None:
         return 0.0
-    parents: dict[int, int] = {}
-    times: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry.name)], times[int(entry.name)] = int(fields[1]), int(fields[11]) + int(fields[12])
-    tree = {pid}
-    while grown := {p for p, parent in parents.items() if parent in tree} - tree:
-        tree |= grown
-    return sum(times.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+    server = psutil.Process(pid)
+    total = 0.0
+    for proc in (server, *server.children(recursive=True)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -82,7 +75,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--pid", type=int, help="the server's process: report its CPU time (Linux)")
+    parser.add_argument("--pid", type=int, help="the server's process: report its CPU time")
     asyncio.run(_main(parser.parse_args()))
 
 
