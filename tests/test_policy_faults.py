@@ -433,9 +433,15 @@ def test_r16_a_lora_update_never_routes_its_adapter_over_other_full_weights(tmp_
     run(go())
 
 
-def test_r15_a_replica_found_restarted_after_close_gets_no_restore(tmp_path):
+@pytest.mark.parametrize("stop", ["manager_close", "service_stop"])
+def test_r15_a_replica_found_restarted_after_a_stop_gets_no_restore(tmp_path, stop):
     """Shutting down: a probe (or a join that waited for the update lock) finding a replica on other weights
-    must not start a reload that outlives the service."""
+    must not start a reload that outlives the service. The stop is the policy manager's close(), or the
+    service's own `cancel_running` (which the server calls as its shutdown begins, before its groups have
+    drained). Break tried for the second: cancel_running not telling the policy manager -> the probe starts
+    a reload."""
+    from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.service import RolloutService
 
     async def go():
         fleet, chat, pm = await make_manager(2)
@@ -443,11 +449,18 @@ def test_r15_a_replica_found_restarted_after_close_gets_no_restore(tmp_path):
         r1, ep1 = fleet[1], chat.endpoints[1]
         r1.restart()
         reloads = len(r1.calls("/collective_rpc"))
-        await pm.close()
+        if stop == "manager_close":
+            await pm.close()
+        else:
+            svc = RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://r0"], model=BASE))
+            await svc.versions.weights.aclose()
+            svc.versions = pm
+            svc.cancel_running()
         await pm.reconcile(ep1, await chat.list_models(ep1))
         await asyncio.sleep(0)  # a restore spawned now would have made its first call by the next check
         assert not pm._tasks and len(r1.calls("/collective_rpc")) == reloads and r1.label == "default"
         assert not pm._restoring  # nothing marked as being restored that no task will ever clear
+        await pm.close()
         await pm.weights.aclose()
 
     run(go())
@@ -490,32 +503,6 @@ def test_r17_close_lets_a_restore_under_way_finish_its_reload(tmp_path):
         await pm.close()
         assert (r1.weights, r1.label) == (path, label), (r1.weights, r1.label)
         assert not pm._tasks and not pm._restoring
-        await pm.weights.aclose()
-
-    run(go())
-
-
-def test_r15_a_stop_asked_of_the_service_stops_restores_from_starting(tmp_path):
-    """The service's own stop (`cancel_running`, which the server calls as its shutdown begins, before its
-    groups have drained): from then on a replica found restarted gets no restore. Break tried: cancel_running
-    not telling the policy manager -> the probe starts a reload."""
-    from rollout_service.server.config import ServiceConfig
-    from rollout_service.server.service import RolloutService
-
-    async def go():
-        svc = RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://r0"], model=BASE))
-        await svc.versions.weights.aclose()
-        fleet, chat, pm = await make_manager(2)
-        svc.versions = pm
-        await pm.update(PolicyUpdate(version="v1", weights={"path": checkpoint(tmp_path, "v1")}))
-        r1, ep1 = fleet[1], chat.endpoints[1]
-        r1.restart()
-        reloads = len(r1.calls("/collective_rpc"))
-        svc.cancel_running()
-        await pm.reconcile(ep1, await chat.list_models(ep1))
-        await asyncio.sleep(0)  # a restore spawned now would have made its first call by the next check
-        assert not pm._tasks and len(r1.calls("/collective_rpc")) == reloads and r1.label == "default"
-        await pm.close()
         await pm.weights.aclose()
 
     run(go())
