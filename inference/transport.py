@@ -7,6 +7,12 @@ bench/ceiling.py and a micro-benchmark against bench/standins.py, 2026-12-01). S
 aiohttp; `HttpxTransport` runs the same calls over any httpx transport, for tests that stand in
 for a server with httpx's MockTransport.
 
+aiohttp's own `trust_env` is off: with it, every request ran two jobs on the default thread pool
+(the proxy variables looked up and ~/.netrc looked for), which took half of the service's CPU at
+the ceiling (py-spy, bench/ceiling.py, 2026-12-02). HTTP_PROXY / HTTPS_PROXY / NO_PROXY are read
+once, when the transport starts, and each host's answer kept. No netrc and no cookies: the service
+authenticates with the headers its config names, and one env's cookies are not another's.
+
 Bodies are JSON. orjson encodes; a body it refuses (a lone UTF-16 surrogate in a string) is encoded
 by the standard library instead, escaped as JSON allows. Answers are decoded by orjson, or by the
 standard library where orjson refuses them (a surrogate escape), so callers see what `json` would
@@ -17,13 +23,19 @@ bounded sampling parameters: orjson writes NaN and infinities as null, and reads
 
 from __future__ import annotations
 
+import base64
 import json as std_json
+import logging
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import httpx
 import orjson
+
+logger = logging.getLogger(__name__)
 
 
 class TransportError(Exception):
@@ -70,6 +82,45 @@ class HttpAnswer:
 _MAX_HEADER_BYTES = 64 * 1024
 
 
+class EnvProxies:
+    """The proxy each URL goes through, from HTTP_PROXY / HTTPS_PROXY / NO_PROXY as they were when
+    this was made (as httpx and aiohttp read them); each scheme and host is decided once."""
+
+    def __init__(self) -> None:
+        found = urllib.request.getproxies_environment()
+        self._bypass = found.get("no", "")
+        self._proxies: dict[str, tuple[str, dict[str, str]]] = {}
+        for scheme in ("http", "https"):
+            if not found.get(scheme):
+                continue
+            proxy = urllib.parse.urlsplit(found[scheme])
+            if proxy.scheme != "http":  # aiohttp speaks to plain-HTTP proxies only
+                logger.warning("%s_PROXY=%s is not an http:// proxy; requests go direct", scheme.upper(), found[scheme])
+                continue
+            headers = {}
+            if proxy.username is not None:
+                credentials = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
+                headers["Proxy-Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
+            self._proxies[scheme] = (proxy._replace(netloc=proxy.netloc.rpartition("@")[2]).geturl(), headers)
+        self._decided: dict[tuple[str, str], tuple[str, dict[str, str]] | None] = {}
+
+    def __call__(self, url: str) -> tuple[str, dict[str, str]] | None:
+        """The proxy's URL and the headers it is sent (its credentials), or None: go direct."""
+        if not self._proxies:
+            return None
+        parts = urllib.parse.urlsplit(url)
+        key = (parts.scheme, parts.netloc)
+        if key not in self._decided:
+            proxy = self._proxies.get(parts.scheme)
+            host = parts.netloc.rpartition("@")[2]  # NO_PROXY entries may name a host or a host:port
+            # The standard library's own NO_PROXY rules (what getproxies and httpx follow); untyped in typeshed.
+            bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
+            if proxy is not None and bypass(host, {"no": self._bypass}):
+                proxy = None
+            self._decided[key] = proxy
+        return self._decided[key]
+
+
 class HttpTransport:
     """One pool of keep-alive connections; `request` answers whatever status the server sent."""
 
@@ -108,6 +159,7 @@ class AiohttpTransport(HttpTransport):
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        self._proxy_for = EnvProxies()
 
     def _open(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -122,7 +174,7 @@ class AiohttpTransport(HttpTransport):
                 timeout=self._timeout,
                 skip_auto_headers=("User-Agent",),
                 raise_for_status=False,
-                trust_env=True,  # HTTP(S)_PROXY / NO_PROXY, as httpx honoured them
+                cookie_jar=aiohttp.DummyCookieJar(),
                 max_line_size=_MAX_HEADER_BYTES,  # a proxy in between may add long headers
                 max_field_size=_MAX_HEADER_BYTES,
             )
@@ -139,6 +191,9 @@ class AiohttpTransport(HttpTransport):
             if deadline_s is not None
             else self._timeout
         )
+        proxy = self._proxy_for(url)
+        if proxy is not None and proxy[1] and url.startswith("http:"):
+            headers = {**headers, **proxy[1]}  # a plain-HTTP request goes to the proxy itself: no CONNECT
         try:
             async with session.request(
                 method,
@@ -147,6 +202,8 @@ class AiohttpTransport(HttpTransport):
                 headers=headers,
                 timeout=deadline,
                 allow_redirects=False,  # as httpx: a redirect is an answer to report, not to follow
+                proxy=proxy[0] if proxy else None,
+                proxy_headers=proxy[1] if proxy else None,
             ) as response:
                 return HttpAnswer(response.status, await response.read())
         except TimeoutError as exc:

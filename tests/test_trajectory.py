@@ -19,7 +19,7 @@ import pytest
 from helpers import assert_accounted
 
 from inference import embedded_model
-from rollout_service.protocol import Attempt
+from rollout_service.protocol import Attempt, GroupResult
 from rollout_service.trainer import token_batch, trl_rollout
 
 POLICY_STAGES = {"executor"}  # the service's default --policy-stage
@@ -200,6 +200,23 @@ def test_trainer_shapes(exact_run):
         assert batch["input_ids"][row, :n].tolist() == segment.token_ids
         assert batch["loss_mask"][row].sum() == sum(segment.loss_mask)
         assert batch["attention_mask"][row].sum() == n
+
+
+def test_results_are_the_json_pydantic_would_write(exact_run):
+    """The service writes results with orjson (GroupResult.to_json); pydantic's own serialiser is the
+    oracle: each result, read back and written by pydantic, is the same JSON (the same keys, aliases
+    such as `pass`, nothing dropped or added). What orjson cannot write goes through pydantic. Breaks
+    tried: field names instead of aliases -> `pass_` found, fails; no fallback -> TypeError on the
+    seed below."""
+    groups = exact_run[0] + exact_run[1]
+    assert any(a["pass"] is not None for g in groups for a in g["attempts"])  # `pass` is aliased
+    for group in groups:
+        result = GroupResult.model_validate(group)
+        assert json.loads(result.to_json()) == json.loads(result.model_dump_json(by_alias=True)) == group
+    result = GroupResult.model_validate(groups[0])
+    result.sampling["seed"] = 2**70  # past orjson's 64-bit integers
+    assert json.loads(result.to_json()) == json.loads(result.model_dump_json(by_alias=True))
+    assert json.loads(result.to_json())["sampling"]["seed"] == 2**70
 
 
 def test_chat_mode_has_no_trajectory_and_stop_strings_stay_exact(start_refenv, start_service):

@@ -4,6 +4,8 @@ ceiling benchmark so that it does not rot (its numbers are measured by hand: REA
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import json
 import socket
 import subprocess
@@ -150,3 +152,79 @@ async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
     await writer.drain()
     writer.close()
+
+
+def test_requests_go_through_the_environments_proxy_read_once_and_no_proxy_is_honoured(monkeypatch):
+    """HTTP_PROXY (with its credentials) and NO_PROXY as httpx honoured them; the oracle is what a
+    stand-in proxy was asked. Breaks tried: no proxy passed -> the proxy sees nothing; credentials
+    left in the URL and no Proxy-Authorization sent -> fails."""
+
+    async def go():
+        seen: list[bytes] = []
+
+        async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        monkeypatch.setenv("HTTP_PROXY", f"http://trainer:s%40cret@127.0.0.1:{port}")
+        monkeypatch.setenv("NO_PROXY", "direct.invalid")
+        transport = AiohttpTransport(timeout_s=5.0)
+        monkeypatch.delenv("HTTP_PROXY")  # read when the transport was made, not per request
+        try:
+            async with server:
+                answer = await transport.request("GET", "http://envhost.invalid:8123/health")
+                assert answer.status == 200
+                (head,) = seen
+                assert head.startswith(b"GET http://envhost.invalid:8123/health HTTP/1.1\r\n")
+                fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if line)
+                fields = {name.lower(): value for name, value in fields.items()}
+                assert fields[b"proxy-authorization"] == b"Basic " + base64.b64encode(b"trainer:s@cret")
+                with pytest.raises(ConnectRefused):  # NO_PROXY: straight to a host that does not exist
+                    await transport.request("GET", "http://direct.invalid/health")
+                assert len(seen) == 1
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_request_on_a_kept_alive_connection_runs_nothing_on_the_thread_pool():
+    """aiohttp's trust_env ran two thread-pool jobs per request (the proxy variables and ~/.netrc),
+    half the service's CPU at the ceiling. Counted, not timed: the loop's executor is asked for
+    nothing while requests reuse a connection to an address. Break tried: trust_env=True -> 2 jobs
+    a request, fails."""
+
+    async def go():
+        async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    await reader.readuntil(b"\r\n\r\n")
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                    await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(keep_alive, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/health"
+        loop = asyncio.get_running_loop()
+        jobs = []
+        run_in_executor = loop.run_in_executor
+
+        def counted(executor, func, *args):  # type: ignore[no-untyped-def]
+            jobs.append(func)
+            return run_in_executor(executor, func, *args)
+
+        loop.run_in_executor = counted  # type: ignore[method-assign]
+        transport = AiohttpTransport(timeout_s=5.0)
+        try:
+            async with server:
+                for _ in range(5):
+                    assert (await transport.request("GET", url)).status == 200
+        finally:
+            await transport.aclose()
+        assert jobs == []
+
+    asyncio.run(go())

@@ -21,6 +21,9 @@ class Metrics:
         self.episodes_in_flight = Gauge("rollout_episodes_in_flight", "Episodes held on each env", ["env"], registry=r)
         self.groups_in_flight = Gauge("rollout_groups_in_flight", "Groups running", registry=r)
         self.tokens = Counter("rollout_tokens", "Tokens through the model servers", ["kind"], registry=r)
+        # Resolved once: a labels() lookup per turn shows in the hot path's profile.
+        self._prompt_tokens = self.tokens.labels(kind="prompt")
+        self._completion_tokens = self.tokens.labels(kind="completion")
         self.group_latency = Histogram(
             "rollout_group_latency_seconds", "Wall time of a group", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -42,6 +45,11 @@ class Metrics:
         self.policy_updates = Histogram(
             "rollout_policy_update_seconds", "Policy updates, by kind", ["kind"], buckets=_LATENCY_BUCKETS, registry=r
         )
+
+    def completion_done(self, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
+        self.inference_latency.observe(seconds)
+        self._prompt_tokens.inc(prompt_tokens)
+        self._completion_tokens.inc(completion_tokens)
 
     def policy_update(self, kind: str, seconds: float) -> None:
         self.policy_updates.labels(kind=kind).observe(seconds)

@@ -616,7 +616,7 @@ class RolloutService:
             result = await self.runner.run_group(request, target, route, sequence, self.run_id, share)
         finally:
             self.metrics.groups_in_flight.dec()
-        body = result.model_dump_json(by_alias=True)
+        body = result.to_json()
         if self.run_log is not None:
             self.run_log.append(body)
         return body

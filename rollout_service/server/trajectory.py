@@ -126,7 +126,7 @@ class TrajectoryBuilder:
                     return list(segment.token_ids)
         ids = await self.renderer.render(messages, True, self.affinity)
         self.segments.append(
-            Segment(
+            Segment.model_construct(  # ids the server's answer had validated; masks built here
                 token_ids=ids,
                 loss_mask=[0] * len(ids),
                 logprobs=[None] * len(ids),
@@ -171,7 +171,7 @@ class TrajectoryBuilder:
             segment.loss_mask += [0] * len(ids)
             segment.logprobs += [None] * len(ids)
         segment.turns.append(
-            TurnSpan(
+            TurnSpan.model_construct(
                 turn=turn.index,
                 start=start,
                 end=len(segment.token_ids),
