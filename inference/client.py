@@ -362,7 +362,9 @@ class ChatClient:
         constraint = structured_output(response_format)
         if constraint is not None:
             body["structured_outputs"] = constraint
-        return await self._with_failover(affinity, lambda e: self._generate(e, "/v1/completions", body, model))
+        return await self._with_failover(
+            affinity, lambda e: self._generate(e, "/v1/completions", body, model, sent_prompt=prompt_token_ids)
+        )
 
     async def tokenize(
         self,
@@ -425,7 +427,9 @@ class ChatClient:
             return self.pin(affinity, endpoints)
         return min(endpoints, key=lambda e: e.outstanding)
 
-    async def _generate(self, endpoint: Endpoint, path: str, body: dict[str, Any], model: str) -> ChatResult:
+    async def _generate(
+        self, endpoint: Endpoint, path: str, body: dict[str, Any], model: str, sent_prompt: list[int] | None = None
+    ) -> ChatResult:
         if self._throttle is not None:
             endpoint.outstanding += 1  # bound for this replica already: a removal waits for it
             try:
@@ -435,7 +439,7 @@ class ChatClient:
                 endpoint.outstanding -= 1  # _post counts it again before anything else can run
         response, latency = await self._post(endpoint, path, body)
         try:
-            return _parse(response.json(), endpoint.url, model, latency)
+            return _parse(response.json(), endpoint.url, model, latency, sent_prompt)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise BadInferenceResponse(f"unexpected completion shape: {type(exc).__name__}: {exc}") from None
 
@@ -493,8 +497,10 @@ def error_text(response: HttpAnswer | httpx.Response) -> str:
     return response.text
 
 
-def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
-    """The answer as a ChatResult; raises ValueError (or a lookup error) on any shape it cannot use."""
+def _parse(data: dict, endpoint: str, model: str, latency: float, sent_prompt: list[int] | None = None) -> ChatResult:
+    """The answer as a ChatResult; raises ValueError (or a lookup error) on any shape it cannot use.
+    With `sent_prompt` (token ids sent), prompt ids echoed must be those: the result then holds the
+    list sent, checked once here instead of validated and compared again (thousands a turn)."""
     raw_choices = data["choices"]
     if not isinstance(raw_choices, list) or not raw_choices:
         raise ValueError("the answer has no choices")
@@ -530,7 +536,11 @@ def _parse(data: dict, endpoint: str, model: str, latency: float) -> ChatResult:
     prompt_ids = data.get("prompt_token_ids")
     if prompt_ids is None and raw_choices[0].get("prompt_token_ids") is not None:  # completions: per choice
         prompt_ids = raw_choices[0]["prompt_token_ids"]
-    if prompt_ids is not None:
+    if prompt_ids is not None and sent_prompt is not None:
+        if prompt_ids != sent_prompt:
+            raise ValueError("the prompt_token_ids echoed are not the prompt sent")
+        prompt_ids = sent_prompt
+    elif prompt_ids is not None:
         prompt_ids = _TOKEN_IDS.validate_python(prompt_ids)
     return ChatResult(
         endpoint=endpoint,

@@ -108,6 +108,38 @@ def test_an_env_answer_that_breaks_the_contract_is_a_typed_failure():
     assert err.value.kind == "env_bad_answer" and err.value.retryable
 
 
+def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
+    """The model's side: a /v1/completions answer must echo the prompt ids sent, else the turn's ids
+    would not be the model's (a stand-in transport: vLLM cannot be made to echo another prompt). An
+    answer that does echo them holds the very list sent. Break tried: the echo check in _parse
+    removed -> the wrong echo passes, fails."""
+    import asyncio
+
+    from inference.client import BadInferenceResponse, ChatClient
+
+    sent = list(range(100, 140))
+
+    def answer(echo: list[int]):  # type: ignore[no-untyped-def]
+        def handle(request: httpx.Request) -> httpx.Response:
+            choice = {"index": 0, "text": "ok", "finish_reason": "stop", "token_ids": [7, 8],
+                      "prompt_token_ids": echo, "logprobs": {"token_logprobs": [-0.1, -0.2]}}  # fmt: skip
+            return httpx.Response(200, json={"choices": [choice], "usage": {"prompt_tokens": len(echo)}})
+
+        return httpx.MockTransport(handle)
+
+    async def complete(echo: list[int]):  # type: ignore[no-untyped-def]
+        client = ChatClient(["http://model"], transport=answer(echo))
+        try:
+            return await client.complete(model="m", prompt_token_ids=sent, sampling={})
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(complete(list(sent))).prompt_token_ids is sent
+    for wrong in ([*sent[:-1], 1], sent[:-1], [float(t) for t in sent[:-1]] + ["x"]):
+        with pytest.raises(BadInferenceResponse):
+            asyncio.run(complete(wrong))
+
+
 @pytest.mark.env_may_wait  # the test holds the only world itself, so the service's reset waits
 def test_a_reset_waiting_for_a_world_is_bounded_by_timeout_s_and_still_abandoned(
     start_refenv, start_service, start_scripted_model
