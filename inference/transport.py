@@ -3,9 +3,10 @@
 The service sends several requests per turn, so what one costs in the service's own CPU bounds the
 turns/s one process drives. httpx costs ~2.3 ms of CPU per request under 64-way concurrency here
 (its connection pool is scanned per request); aiohttp with orjson ~0.35 ms (measured with
-bench/ceiling.py and a micro-benchmark against bench/standins.py, 2026-12-01). So the default is
-aiohttp; `HttpxTransport` runs the same calls over any httpx transport, for tests that stand in
-for a server with httpx's MockTransport.
+bench/ceiling.py and a micro-benchmark against bench/standins.py, 2026-12-01). The default is the
+bare HTTP/1.1 client of inference/http11.py, with aiohttp behind it for what that does not speak
+(https, proxies); `HttpxTransport` runs the same calls over any httpx transport, for tests that
+stand in for a server with httpx's MockTransport.
 
 aiohttp's own `trust_env` is off: with it, every request ran two jobs on the default thread pool
 (the proxy variables looked up and ~/.netrc looked for), which took half of the service's CPU at
@@ -79,7 +80,7 @@ class HttpAnswer:
         return self.body.decode("utf-8", "replace")
 
 
-_MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 64 * 1024
 
 
 class EnvProxies:
@@ -159,7 +160,7 @@ class AiohttpTransport(HttpTransport):
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
-        self._proxy_for = EnvProxies()
+        self.proxy_for = EnvProxies()
 
     def _open(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -175,8 +176,8 @@ class AiohttpTransport(HttpTransport):
                 skip_auto_headers=("User-Agent",),
                 raise_for_status=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
-                max_line_size=_MAX_HEADER_BYTES,  # a proxy in between may add long headers
-                max_field_size=_MAX_HEADER_BYTES,
+                max_line_size=MAX_HEADER_BYTES,  # a proxy in between may add long headers
+                max_field_size=MAX_HEADER_BYTES,
             )
         return self._session
 
@@ -191,7 +192,7 @@ class AiohttpTransport(HttpTransport):
             if deadline_s is not None
             else self._timeout
         )
-        proxy = self._proxy_for(url)
+        proxy = self.proxy_for(url)
         if proxy is not None and proxy[1] and url.startswith("http:"):
             headers = {**headers, **proxy[1]}  # a plain-HTTP request goes to the proxy itself: no CONNECT
         try:
@@ -225,10 +226,13 @@ class AiohttpTransport(HttpTransport):
 
 
 def make_transport(timeout_s: float, stand_in: httpx.AsyncBaseTransport | None = None) -> HttpTransport:
-    """aiohttp, or (tests) `stand_in`, an httpx transport answering for the servers."""
+    """The bare HTTP/1.1 client (aiohttp behind it for what it does not speak), or (tests) `stand_in`,
+    an httpx transport answering for the servers."""
     if stand_in is not None:
         return HttpxTransport(httpx.AsyncClient(transport=stand_in, timeout=timeout_s))
-    return AiohttpTransport(timeout_s)
+    from .http11 import Http11Transport  # here: it builds on this module's types
+
+    return Http11Transport(timeout_s)
 
 
 class HttpxTransport(HttpTransport):

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from inference.client import ChatClient, InferenceTimeout, InferenceUnreachable
-from inference.transport import AiohttpTransport, ConnectRefused, TransportTimeout, dumps, loads
+from inference.http11 import Http11Transport
+from inference.transport import AiohttpTransport, ConnectRefused, TransportError, TransportTimeout, dumps, loads
 from rollout_service.server.env_client import EnvClient, EnvDown, EnvUnreachable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,10 +37,15 @@ def test_json_with_a_lone_surrogate_goes_both_ways_as_the_standard_library_would
         loads(b"not json")
 
 
-def test_nothing_listening_is_a_refused_connection_env_down_and_inference_unreachable():
+# The hot path's client, and aiohttp behind it (https, proxies, what the bare client does not speak).
+TRANSPORTS = pytest.mark.parametrize("transport_class", [Http11Transport, AiohttpTransport])
+
+
+@TRANSPORTS
+def test_nothing_listening_is_a_refused_connection_env_down_and_inference_unreachable(transport_class):
     async def go():
         port = _closed_port()
-        transport = AiohttpTransport(timeout_s=5.0)
+        transport = transport_class(timeout_s=5.0)
         try:
             with pytest.raises(ConnectRefused):
                 await transport.request("GET", f"http://127.0.0.1:{port}/health")
@@ -61,7 +67,8 @@ def test_nothing_listening_is_a_refused_connection_env_down_and_inference_unreac
     asyncio.run(go())
 
 
-def test_a_server_that_never_answers_times_out_as_no_answer():
+@TRANSPORTS
+def test_a_server_that_never_answers_times_out_as_no_answer(transport_class):
     async def go():
         accepted = asyncio.Event()
 
@@ -73,7 +80,7 @@ def test_a_server_that_never_answers_times_out_as_no_answer():
         server = await asyncio.start_server(silent, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         async with server:
-            transport = AiohttpTransport(timeout_s=0.5)
+            transport = transport_class(timeout_s=0.5)
             try:
                 with pytest.raises(TransportTimeout):
                     await transport.request("POST", f"{url}/step", json={"a": 1})
@@ -114,7 +121,8 @@ def test_the_ceiling_benchmark_runs_and_keeps_the_pool_full_but_never_over(tmp_p
     assert row["turns_per_s"] > 0 and row["groups_per_s"] > 0
 
 
-def test_a_backend_back_on_a_new_address_is_found_at_once_and_bad_hosts_are_no_connection(monkeypatch):
+@TRANSPORTS
+def test_a_backend_back_on_a_new_address_is_found_at_once_and_bad_hosts_are_no_connection(monkeypatch, transport_class):
     """No DNS cache: a restarted env or replica (a new pod, a new container) is reached on its new
     address by the next request. A host name that cannot exist is a failed connection, not a crash."""
     import aiohttp.resolver
@@ -125,13 +133,23 @@ def test_a_backend_back_on_a_new_address_is_found_at_once_and_bad_hosts_are_no_c
         where = {"addr": "127.0.0.2"}  # first "envhost" lives where nothing listens
         asked = []
 
-        async def resolve(self, host, port_=0, family=socket.AF_INET):
+        async def resolve(self, host, port_=0, family=socket.AF_INET):  # aiohttp's resolver
             asked.append(host)
             return [{"hostname": host, "host": where["addr"], "port": port_, "family": family, "proto": 0,
                      "flags": socket.AI_NUMERICHOST}]  # fmt: skip
 
+        loop = asyncio.get_running_loop()
+        getaddrinfo = loop.getaddrinfo
+
+        async def loop_getaddrinfo(host, port_, **kwargs):  # type: ignore[no-untyped-def]  # the loop's (bare client)
+            if host != "envhost":
+                return await getaddrinfo(host, port_, **kwargs)
+            asked.append(host)
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (where["addr"], port_))]
+
         monkeypatch.setattr(aiohttp.resolver.ThreadedResolver, "resolve", resolve)
-        transport = AiohttpTransport(timeout_s=5.0)
+        monkeypatch.setattr(loop, "getaddrinfo", loop_getaddrinfo)
+        transport = transport_class(timeout_s=5.0)
         try:
             async with server:
                 with pytest.raises(ConnectRefused):
@@ -172,7 +190,7 @@ def test_requests_go_through_the_environments_proxy_read_once_and_no_proxy_is_ho
         port = server.sockets[0].getsockname()[1]
         monkeypatch.setenv("HTTP_PROXY", f"http://trainer:s%40cret@127.0.0.1:{port}")
         monkeypatch.setenv("NO_PROXY", "direct.invalid")
-        transport = AiohttpTransport(timeout_s=5.0)
+        transport = Http11Transport(timeout_s=5.0)  # a proxied request goes through its aiohttp
         monkeypatch.delenv("HTTP_PROXY")  # read when the transport was made, not per request
         try:
             async with server:
@@ -192,7 +210,8 @@ def test_requests_go_through_the_environments_proxy_read_once_and_no_proxy_is_ho
     asyncio.run(go())
 
 
-def test_a_request_on_a_kept_alive_connection_runs_nothing_on_the_thread_pool():
+@TRANSPORTS
+def test_a_request_on_a_kept_alive_connection_runs_nothing_on_the_thread_pool(transport_class):
     """aiohttp's trust_env ran two thread-pool jobs per request (the proxy variables and ~/.netrc),
     half the service's CPU at the ceiling. Counted, not timed: the loop's executor is asked for
     nothing while requests reuse a connection to an address. Break tried: trust_env=True -> 2 jobs
@@ -218,7 +237,7 @@ def test_a_request_on_a_kept_alive_connection_runs_nothing_on_the_thread_pool():
             return run_in_executor(executor, func, *args)
 
         loop.run_in_executor = counted  # type: ignore[method-assign]
-        transport = AiohttpTransport(timeout_s=5.0)
+        transport = transport_class(timeout_s=5.0)
         try:
             async with server:
                 for _ in range(5):
@@ -226,5 +245,194 @@ def test_a_request_on_a_kept_alive_connection_runs_nothing_on_the_thread_pool():
         finally:
             await transport.aclose()
         assert jobs == []
+
+    asyncio.run(go())
+
+
+class _ScriptedServer:
+    """A raw HTTP/1.1 server on loopback whose answer depends on the path, for what the bare client
+    must get right; its counts (connections, requests, EOFs seen) are the oracle."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests: list[tuple[int, bytes, bytes]] = []  # (connection, request line, body)
+        self.eofs = 0
+        self.eof_seen: asyncio.Queue[int] = asyncio.Queue()
+        self.release = asyncio.Event()
+        self.got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        number = self.connections
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    self._eof()
+                    return
+                line, *fields = head.decode().split("\r\n")
+                length = next((int(f.split(":")[1]) for f in fields if f.lower().startswith("content-length")), 0)
+                body = await reader.readexactly(length)
+                self.requests.append((number, line.encode(), body))
+                path = line.split()[1]
+                self.got.put_nowait(path.encode())
+                if not await self._answer(path, body, reader, writer):
+                    return
+        except ConnectionError:
+            self._eof()
+        finally:
+            writer.close()
+
+    def _eof(self) -> None:
+        self.eofs += 1
+        self.eof_seen.put_nowait(self.eofs)
+
+    async def _answer(self, path: str, body: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Write the answer `path` asks for; False when the connection is to end."""
+        if path == "/drop-once" and self.connections == 1:
+            return False  # read, never answered: an idle close racing the request
+        if path == "/drop":
+            return False
+        if path == "/partial":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{}")
+            await writer.drain()
+            return False
+        if path == "/slow":  # answered when released, unless the client hangs up first
+            released, hung_up = asyncio.ensure_future(self.release.wait()), asyncio.ensure_future(reader.read())
+            await asyncio.wait([released, hung_up], return_when=asyncio.FIRST_COMPLETED)
+            released.cancel()
+            if hung_up.done():
+                self._eof()
+                return False
+            hung_up.cancel()
+        if path == "/chunked":
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        elif path == "/close":
+            writer.write(b"HTTP/1.1 201 Created\r\ncontent-length: 5\r\nconnection: close\r\n\r\nclose")
+        elif path == "/eof":
+            writer.write(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")
+            await writer.drain()
+            return False
+        elif path == "/huge-headers":
+            writer.write(b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 70_000 + b"\r\ncontent-length: 2\r\n\r\n{}")
+        elif path == "/interim":
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfinal")
+        else:
+            answer = path.encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(answer), answer))
+        await writer.drain()
+        return path != "/close"
+
+
+def test_the_bare_client_keeps_connections_alive_and_reads_every_framing():
+    """Kept-alive connections are reused (the server's own connection count); chunked answers, answers
+    ended by the close, interim 100s and `connection: close` are read as HTTP says; headers past the
+    limit are no answer. Breaks tried: a new connection per request -> 7 connections, fails; interim
+    answers taken as the answer -> status 100, fails."""
+
+    async def go():
+        server = _ScriptedServer()
+        url = await server.start()
+        transport = Http11Transport(timeout_s=5.0)
+        try:
+            assert (await transport.request("GET", f"{url}/a")).body == b"/a"
+            answer = await transport.request("POST", f"{url}/chunked", json={"x": [1, 2]})
+            assert (answer.status, answer.json()) == (200, {"x": [1, 2]})
+            assert server.requests[-1][2] == b'{"x":[1,2]}'
+            assert (await transport.request("GET", f"{url}/interim")).body == b"final"
+            assert server.connections == 1  # one connection so far
+            answer = await transport.request("DELETE", f"{url}/close")
+            assert (answer.status, answer.body) == (201, b"close")
+            assert (await transport.request("GET", f"{url}/b?q=1")).body == b"/b?q=1"
+            assert server.connections == 2  # the closing answer's connection was not reused
+            assert (await transport.request("GET", f"{url}/eof")).body == b"until the end"
+            assert (await transport.request("GET", f"{url}/c")).body == b"/c"
+            assert server.connections == 3
+            with pytest.raises(TransportError):
+                await transport.request("GET", f"{url}/huge-headers")
+            assert (await transport.request("GET", f"{url}/d")).body == b"/d"
+            assert server.connections == 4
+        finally:
+            await transport.aclose()
+            server.server.close()
+
+    asyncio.run(go())
+
+
+def test_a_kept_alive_connection_the_server_dropped_is_tried_once_more_and_nothing_else_is():
+    """A kept-alive connection closed by the server as the request went out (its idle timeout): the
+    request was not answered, so it goes once more on a new connection. A new connection dropped, or
+    one that had begun to answer, is no answer, not retried (an env step must not run twice). Breaks
+    tried: no retry -> /drop-once fails; retry on any drop -> the server sees /drop twice, fails."""
+
+    async def go():
+        server = _ScriptedServer()
+        url = await server.start()
+        transport = Http11Transport(timeout_s=5.0)
+        try:
+            assert (await transport.request("GET", f"{url}/a")).body == b"/a"
+            assert (await transport.request("POST", f"{url}/drop-once", json={})).body == b"/drop-once"
+            assert [(c, line) for c, line, _ in server.requests[1:]] == [
+                (1, b"POST /drop-once HTTP/1.1"), (2, b"POST /drop-once HTTP/1.1")]  # fmt: skip
+            fresh = Http11Transport(timeout_s=5.0)
+            try:
+                with pytest.raises(TransportError):
+                    await fresh.request("POST", f"{url}/drop", json={})
+            finally:
+                await fresh.aclose()
+            assert sum(line.startswith(b"POST /drop ") for _, line, _ in server.requests) == 1
+            with pytest.raises(TransportError):  # on the kept-alive connection, answered in part
+                await transport.request("POST", f"{url}/partial", json={})
+            assert sum(line.startswith(b"POST /partial ") for _, line, _ in server.requests) == 1
+        finally:
+            await transport.aclose()
+            server.server.close()
+
+    asyncio.run(go())
+
+
+def test_a_request_cancelled_or_timed_out_closes_its_connection_and_aclose_ends_what_is_in_flight():
+    """A request that ends before its answer leaves a connection whose next bytes are that answer:
+    it is closed (the server sees the EOF), never reused. aclose() ends a request in flight with
+    TransportError and closes its connection. Breaks tried: the connection kept on cancel (no
+    abort) -> no EOF seen, fails; aclose not closing live connections -> the request waits, fails."""
+
+    async def go():
+        server = _ScriptedServer()
+        url = await server.start()
+        transport = Http11Transport(timeout_s=5.0)
+        try:
+            assert (await transport.request("GET", f"{url}/a")).body == b"/a"
+            await server.got.get()
+            slow = asyncio.ensure_future(transport.request("GET", f"{url}/slow"))
+            assert await server.got.get() == b"/slow"
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            assert await asyncio.wait_for(server.eof_seen.get(), 5) == 1
+            assert (await transport.request("GET", f"{url}/b")).body == b"/b"
+            assert server.requests[-1][0] == 2  # on a new connection
+            await server.got.get()
+            with pytest.raises(TransportTimeout):
+                await transport.request("GET", f"{url}/slow", timeout=0.2)
+            assert await asyncio.wait_for(server.eof_seen.get(), 5) == 2
+            assert (await transport.request("GET", f"{url}/c")).body == b"/c"
+            in_flight = asyncio.ensure_future(transport.request("GET", f"{url}/slow"))
+            while (await server.got.get()) != b"/slow":
+                pass
+            await transport.aclose()
+            with pytest.raises(TransportError):
+                await asyncio.wait_for(in_flight, 5)
+            assert await asyncio.wait_for(server.eof_seen.get(), 5) == 3  # its connection closed too
+        finally:
+            await transport.aclose()
+            server.release.set()
+            server.server.close()
 
     asyncio.run(go())
