@@ -500,7 +500,8 @@ def error_text(response: HttpAnswer | httpx.Response) -> str:
 def _parse(data: dict, endpoint: str, model: str, latency: float, sent_prompt: list[int] | None = None) -> ChatResult:
     """The answer as a ChatResult; raises ValueError (or a lookup error) on any shape it cannot use.
     With `sent_prompt` (token ids sent), prompt ids echoed must be those: the result then holds the
-    list sent, checked once here instead of validated and compared again (thousands a turn)."""
+    list sent, checked once here instead of validated and compared again (thousands a turn). An echo
+    of the same numbers in another JSON form (1.0 for 1) passes: the ids kept are the ones sent."""
     raw_choices = data["choices"]
     if not isinstance(raw_choices, list) or not raw_choices:
         raise ValueError("the answer has no choices")
@@ -521,6 +522,8 @@ def _parse(data: dict, endpoint: str, model: str, latency: float, sent_prompt: l
         if not isinstance(text, str):
             raise ValueError("message.content is not text")
         text = clean_text(text)
+        if not isinstance(raw.get("finish_reason"), str | None):
+            raise ValueError("finish_reason is not text")
         # Without ids (a non-vLLM server), the server's own count is what the env must be told.
         count = len(ids) if ids is not None else int(usage.get("completion_tokens") or 0) // len(raw_choices)
         choices.append(

@@ -14,6 +14,8 @@ goes through aiohttp, which `Http11Transport` holds for that.
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 import urllib.parse
 
 import httptools
@@ -30,6 +32,18 @@ from .transport import (
 
 _METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})
 _WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
+# Sent again after a kept-alive connection dropped with no answer: the server may have run it (a
+# handler that crashed, a write timeout), so only what RFC 9110 makes idempotent, as aiohttp does.
+# A POST (an env's step, a completion) is never sent twice.
+_IDEMPOTENT = frozenset({"GET", "PUT", "DELETE"})
+# A connection idle longer than this is closed, not reused: servers close idle ones (uvicorn after
+# 5 s), and a POST written as the server closes fails where a new connection costs ~0.1 ms.
+MAX_IDLE_S = 2.0
+# The request target as sent: RFC 3986 characters and well-formed escapes; anything else is escaped
+# by aiohttp.
+_PLAIN_TARGET = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*")
+# Headers this client writes itself: a caller's own goes through aiohttp.
+_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
 
 class _Dropped(TransportError):
@@ -45,17 +59,18 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, idle: dict[_Connection, None], live: set[_Connection]) -> None:
         self.idle_set = idle  # the pool's idle connections to this server
-        self.live = live  # the pool's open connections (aclose aborts them)
+        self.live = live  # the pool's open connections (aclose aborts them); added once connected
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future[HttpAnswer] | None = None
         self.closed = False
+        self.idle_since = 0.0
+        self.answered = False  # any byte of an answer to the current request
         self._reset()
 
     def _reset(self) -> None:
         self.body: list[bytes] = []
         self.header_bytes = 0
-        self.answered = False
         self.headers_done = False
         self.framed = False  # Content-Length or chunked: the parser knows where the answer ends
 
@@ -64,6 +79,7 @@ class _Connection(asyncio.Protocol):
     async def exchange(self, request: bytes) -> HttpAnswer:
         assert self.transport is not None and self.waiter is None
         self.waiter = asyncio.get_running_loop().create_future()
+        self.answered = False
         self.transport.write(request)
         try:
             answer = await self.waiter
@@ -72,12 +88,14 @@ class _Connection(asyncio.Protocol):
             self.abort()
             raise
         if not self.closed:
+            self.idle_since = time.monotonic()
             self.idle_set[self] = None
         return answer
 
     def abort(self) -> None:
         self.closed = True
         self.idle_set.pop(self, None)
+        self.live.discard(self)
         if self.transport is not None:
             self.transport.abort()
 
@@ -85,7 +103,6 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.live.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self.waiter is None:  # bytes nobody asked for: the connection cannot be trusted
@@ -96,7 +113,7 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(TransportError(f"not an HTTP answer: {exc}"))
-            self.abort()
+            self.abort()  # also after an answer already given: the connection is not reused
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -108,6 +125,10 @@ class _Connection(asyncio.Protocol):
             self._fail(_Dropped(f"the server closed the connection ({exc or 'EOF'})", self.answered))
 
     # -- httptools callbacks -----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.waiter is None:  # a second answer to one request: what follows cannot be trusted
+            raise ValueError("an answer nobody asked for")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value)
@@ -126,7 +147,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # an interim answer (100 Continue): the real one follows
-            self._reset()
+            self._reset()  # `answered` stays: the server has the request
             return
         answer = HttpAnswer(status, b"".join(self.body))
         if not self.parser.should_keep_alive():
@@ -155,12 +176,18 @@ class Http11Transport(HttpTransport):
         self._idle: dict[tuple[str, int], dict[_Connection, None]] = {}
         self._live: set[_Connection] = set()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # connections belong to the loop that made them
 
     async def _send(
         self, method: str, url: str, body: bytes | None, headers: dict[str, str], deadline_s: float | None
     ) -> HttpAnswer:
         if self._closed:
             raise TransportError("the client is closed")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:  # as aiohttp: a bug in the caller, not a server's failure
+            raise RuntimeError("this HTTP client is used from another event loop than the one it started on")
         request = self._request(method, url, body, headers)
         if request is None:
             return await self._fallback._send(method, url, body, headers, deadline_s)
@@ -170,7 +197,7 @@ class Http11Transport(HttpTransport):
             raise TransportTimeout("no time left for the request")
         try:
             async with asyncio.timeout(deadline):
-                return await self._exchange(server, data)
+                return await self._exchange(server, data, method in _IDEMPOTENT)
         except TimeoutError:
             raise TransportTimeout("no answer in time") from None
 
@@ -182,13 +209,16 @@ class Http11Transport(HttpTransport):
             return None
         parts = urllib.parse.urlsplit(url)
         try:
-            host, port = parts.hostname, parts.port or 80
+            host, port = parts.hostname, parts.port
         except ValueError:  # a port that is not one: aiohttp says so
             return None
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        if not host or "@" in parts.netloc or not _plain(target) or " " in target:
+        if not host or "@" in parts.netloc or not _plain(parts.netloc) or not _PLAIN_TARGET.fullmatch(target):
             return None
         lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
+        names = {name.lower() for name in headers}
+        if len(names) < len(headers) or names & _OWN_HEADERS:
+            return None
         for name, value in headers.items():
             if not _plain(name) or not _plain(value, spaces=True):
                 return None
@@ -196,20 +226,31 @@ class Http11Transport(HttpTransport):
         if body is not None or method in _WITH_BODY:
             lines.append(f"Content-Length: {len(body or b'')}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
-        return (host, port), head + body if body else head
+        return (host, 80 if port is None else port), head + body if body else head
 
-    async def _exchange(self, server: tuple[str, int], request: bytes) -> HttpAnswer:
+    async def _exchange(self, server: tuple[str, int], request: bytes, idempotent: bool) -> HttpAnswer:
         idle = self._idle.setdefault(server, {})
-        reused = bool(idle)
-        connection = idle.popitem()[0] if idle else await self._connect(server, idle)
+        connection = self._kept(idle) or await self._connect(server, idle)
+        reused = connection.idle_since > 0
         try:
             return await connection.exchange(request)
         except _Dropped as exc:
-            if not reused or exc.answered or self._closed:
+            if not (reused and idempotent) or exc.answered or self._closed:
                 raise
-        # A kept-alive connection the server closed (its idle timeout) as this request went out: it
-        # was not read, so it goes once more on a new connection, as Go's net/http does.
+        # A kept-alive connection that ended with no byte of an answer: the server most likely closed
+        # it (its idle timeout) as the request went out. Idempotent, so sent once more, on a new one.
         return await (await self._connect(server, idle)).exchange(request)
+
+    @staticmethod
+    def _kept(idle: dict[_Connection, None]) -> _Connection | None:
+        """The most recently used idle connection, closing those idle too long to trust."""
+        now = time.monotonic()
+        while idle:
+            connection = idle.popitem()[0]
+            if not connection.closed and now - connection.idle_since < MAX_IDLE_S:
+                return connection
+            connection.abort()
+        return None
 
     async def _connect(self, server: tuple[str, int], idle: dict[_Connection, None]) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -223,6 +264,8 @@ class Http11Transport(HttpTransport):
         if self._closed:  # closed while this connection was being made
             connection.abort()
             raise TransportError("the client is closed")
+        # Only now: a connect cancelled at its end may never see connection_lost (uvloop).
+        self._live.add(connection)
         return connection
 
     async def aclose(self) -> None:

@@ -85,7 +85,8 @@ MAX_HEADER_BYTES = 64 * 1024
 
 class EnvProxies:
     """The proxy each URL goes through, from HTTP_PROXY / HTTPS_PROXY / NO_PROXY as they were when
-    this was made (as httpx and aiohttp read them); each scheme and host is decided once."""
+    this was made, by the standard library's rules (as httpx read them; ALL_PROXY and ~/.netrc are
+    not used); each scheme and host is decided once."""
 
     def __init__(self) -> None:
         found = urllib.request.getproxies_environment()
@@ -94,7 +95,14 @@ class EnvProxies:
         for scheme in ("http", "https"):
             if not found.get(scheme):
                 continue
-            proxy = urllib.parse.urlsplit(found[scheme])
+            try:
+                proxy = urllib.parse.urlsplit(found[scheme])
+                _ = proxy.port  # a port that is not one raises here, not at every request
+            except ValueError as exc:
+                proxy = None
+                logger.warning("%s_PROXY=%s is not a URL (%s); requests go direct", scheme.upper(), found[scheme], exc)
+            if proxy is None:
+                continue
             if proxy.scheme != "http":  # aiohttp speaks to plain-HTTP proxies only
                 logger.warning("%s_PROXY=%s is not an http:// proxy; requests go direct", scheme.upper(), found[scheme])
                 continue
@@ -113,10 +121,12 @@ class EnvProxies:
         key = (parts.scheme, parts.netloc)
         if key not in self._decided:
             proxy = self._proxies.get(parts.scheme)
-            host = parts.netloc.rpartition("@")[2]  # NO_PROXY entries may name a host or a host:port
+            # NO_PROXY entries may name a host or a host:port, and an IPv6 one with or without brackets.
+            host_port, host = parts.netloc.rpartition("@")[2], parts.hostname or ""
             # The standard library's own NO_PROXY rules (what getproxies and httpx follow); untyped in typeshed.
             bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
-            if proxy is not None and bypass(host, {"no": self._bypass}):
+            no = {"no": self._bypass}
+            if proxy is not None and (bypass(host_port, no) or bypass(host, no)):
                 proxy = None
             self._decided[key] = proxy
         return self._decided[key]
@@ -193,7 +203,7 @@ class AiohttpTransport(HttpTransport):
             else self._timeout
         )
         proxy = self.proxy_for(url)
-        if proxy is not None and proxy[1] and url.startswith("http:"):
+        if proxy is not None and proxy[1] and urllib.parse.urlsplit(url).scheme == "http":
             headers = {**headers, **proxy[1]}  # a plain-HTTP request goes to the proxy itself: no CONNECT
         try:
             async with session.request(

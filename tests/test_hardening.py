@@ -119,16 +119,16 @@ def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
 
     sent = list(range(100, 140))
 
-    def answer(echo: list[int]):  # type: ignore[no-untyped-def]
+    def answer(echo: list[int], finish_reason: object = "stop"):  # type: ignore[no-untyped-def]
         def handle(request: httpx.Request) -> httpx.Response:
-            choice = {"index": 0, "text": "ok", "finish_reason": "stop", "token_ids": [7, 8],
+            choice = {"index": 0, "text": "ok", "finish_reason": finish_reason, "token_ids": [7, 8],
                       "prompt_token_ids": echo, "logprobs": {"token_logprobs": [-0.1, -0.2]}}  # fmt: skip
             return httpx.Response(200, json={"choices": [choice], "usage": {"prompt_tokens": len(echo)}})
 
         return httpx.MockTransport(handle)
 
-    async def complete(echo: list[int]):  # type: ignore[no-untyped-def]
-        client = ChatClient(["http://model"], transport=answer(echo))
+    async def complete(echo: list[int], finish_reason: object = "stop"):  # type: ignore[no-untyped-def]
+        client = ChatClient(["http://model"], transport=answer(echo, finish_reason))
         try:
             return await client.complete(model="m", prompt_token_ids=sent, sampling={})
         finally:
@@ -138,6 +138,10 @@ def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
     for wrong in ([*sent[:-1], 1], sent[:-1], [float(t) for t in sent[:-1]] + ["x"]):
         with pytest.raises(BadInferenceResponse):
             asyncio.run(complete(wrong))
+    # Nothing else of a turn is checked again once it is built: a finish_reason that is not text is a
+    # bad answer here, not a result the trainer cannot read (break tried: no check -> passes, fails).
+    with pytest.raises(BadInferenceResponse):
+        asyncio.run(complete(list(sent), finish_reason=7))
 
 
 @pytest.mark.env_may_wait  # the test holds the only world itself, so the service's reset waits
