@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -267,6 +268,18 @@ def test_a_request_on_a_kept_alive_connection_runs_nothing_on_the_thread_pool(tr
     asyncio.run(go())
 
 
+@contextlib.asynccontextmanager
+async def _scripted() -> AsyncIterator[tuple[_ScriptedServer, str, Http11Transport]]:
+    server = _ScriptedServer()
+    url = await server.start()
+    transport = Http11Transport(timeout_s=5.0)
+    try:
+        yield server, url, transport
+    finally:
+        await transport.aclose()
+        server.server.close()
+
+
 class _ScriptedServer:
     """A raw HTTP/1.1 server on loopback whose answer depends on the path, for what the bare client
     must get right; its counts (connections, requests, EOFs seen) are the oracle."""
@@ -362,10 +375,7 @@ def test_the_bare_client_keeps_connections_alive_and_reads_every_framing():
     answers taken as the answer -> status 100, fails."""
 
     async def go():
-        server = _ScriptedServer()
-        url = await server.start()
-        transport = Http11Transport(timeout_s=5.0)
-        try:
+        async with _scripted() as (server, url, transport):
             assert (await transport.request("GET", f"{url}/a")).body == b"/a"
             answer = await transport.request("POST", f"{url}/chunked", json={"x": [1, 2]})
             assert (answer.status, answer.json()) == (200, {"x": [1, 2]})
@@ -383,9 +393,6 @@ def test_the_bare_client_keeps_connections_alive_and_reads_every_framing():
                 await transport.request("GET", f"{url}/huge-headers")
             assert (await transport.request("GET", f"{url}/d")).body == b"/d"
             assert server.connections == 4
-        finally:
-            await transport.aclose()
-            server.server.close()
 
     asyncio.run(go())
 
@@ -398,10 +405,7 @@ def test_only_an_idempotent_request_is_sent_again_after_a_kept_alive_connection_
     whatever the method -> the server sees the POST twice, fails."""
 
     async def go():
-        server = _ScriptedServer()
-        url = await server.start()
-        transport = Http11Transport(timeout_s=5.0)
-        try:
+        async with _scripted() as (server, url, transport):
             assert (await transport.request("GET", f"{url}/a")).body == b"/a"
             assert (await transport.request("GET", f"{url}/drop-on-reuse")).body == b"/drop-on-reuse"
             assert [(c, line) for c, line, _ in server.requests[1:]] == [
@@ -420,9 +424,6 @@ def test_only_an_idempotent_request_is_sent_again_after_a_kept_alive_connection_
             with pytest.raises(TransportError):  # on a kept-alive connection, answered in part
                 await transport.request("GET", f"{url}/partial")
             assert sum(line.startswith(b"GET /partial ") for _, line, _ in server.requests) == 1
-        finally:
-            await transport.aclose()
-            server.server.close()
 
     asyncio.run(go())
 
@@ -438,10 +439,7 @@ def test_what_the_bare_client_does_not_speak_goes_through_aiohttp_and_a_connecti
     from inference import http11
 
     async def go():
-        server = _ScriptedServer()
-        url = await server.start()
-        transport = Http11Transport(timeout_s=5.0)
-        try:
+        async with _scripted() as (server, url, transport):
             assert (await transport.request("GET", f"{url}/twice")).body == b"one"
             assert (await transport.request("GET", f"{url}/c")).body == b"/c"
             assert server.connections == 2
@@ -454,9 +452,6 @@ def test_what_the_bare_client_does_not_speak_goes_through_aiohttp_and_a_connecti
             assert server.heads[-1].lower().count(b"\r\nhost:") == 1 and b"Host: env.internal" in server.heads[-1]
             with pytest.raises(ConnectRefused):
                 await transport.request("GET", "http://h\u00f6st.invalid/x")
-        finally:
-            await transport.aclose()
-            server.server.close()
 
     asyncio.run(go())
 
