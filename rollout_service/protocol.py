@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 
 import httpx
-import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -313,34 +312,6 @@ class GroupResult(BaseModel):
     wall_s: float
     completion_tokens: int
     run_id: str | None = None
-
-    def to_json(self) -> str:
-        """What `model_dump_json(by_alias=True)` writes, ~3x faster: a group of exact 4-turn attempts
-        holds ~100k token ids and logprobs, and pydantic's serialiser took ~19% of the service's CPU
-        at bench/ceiling.py's ceiling. orjson writes the models' fields as their aliases, as pydantic
-        would, and pydantic itself writes whatever orjson cannot (say, an int over 64 bits)."""
-        try:
-            return orjson.dumps(self, default=_fields_by_alias).decode()
-        except TypeError:
-            return self.model_dump_json(by_alias=True)
-
-
-# Per model class: (attribute, JSON key) of each field pydantic serialises.
-_SERIALISED: dict[type[BaseModel], tuple[tuple[str, str], ...]] = {}
-
-
-def _fields_by_alias(value: Any) -> dict[str, Any]:
-    if not isinstance(value, BaseModel):
-        raise TypeError(f"{type(value).__name__} is not JSON")
-    cls = type(value)
-    keys = _SERIALISED.get(cls)
-    if keys is None:
-        keys = _SERIALISED[cls] = tuple(
-            (name, info.serialization_alias or info.alias or name)
-            for name, info in cls.model_fields.items()
-            if not info.exclude
-        )
-    return {key: getattr(value, name) for name, key in keys}  # no result model takes extra fields
 
 
 _VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"

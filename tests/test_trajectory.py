@@ -20,6 +20,7 @@ from helpers import assert_accounted
 
 from inference import embedded_model
 from rollout_service.protocol import Attempt, GroupResult
+from rollout_service.server.result_json import group_json
 from rollout_service.trainer import token_batch, trl_rollout
 
 POLICY_STAGES = {"executor"}  # the service's default --policy-stage
@@ -203,7 +204,7 @@ def test_trainer_shapes(exact_run):
 
 
 def test_results_are_the_json_pydantic_would_write(exact_run):
-    """The service writes results with orjson (GroupResult.to_json); pydantic's own serialiser is the
+    """The service writes results with orjson (server/result_json.py); pydantic's own serialiser is the
     oracle: each result, read back and written by pydantic, is the same JSON byte for byte (the same
     keys, aliases such as `pass`, numbers written alike). What orjson cannot write goes through pydantic. Breaks
     tried: field names instead of aliases -> `pass_` found, fails; no fallback -> TypeError on the
@@ -213,12 +214,12 @@ def test_results_are_the_json_pydantic_would_write(exact_run):
     for group in groups:
         result = GroupResult.model_validate(group)
         # Byte for byte (parsed JSON would take true for 1 and 0 for 0.0), and the service's own JSON.
-        assert result.to_json() == result.model_dump_json(by_alias=True)
-        assert json.loads(result.to_json()) == group
+        assert group_json(result) == result.model_dump_json(by_alias=True)
+        assert json.loads(group_json(result)) == group
     result = GroupResult.model_validate(groups[0])
     result.sampling["seed"] = 2**70  # past orjson's 64-bit integers
-    assert result.to_json() == result.model_dump_json(by_alias=True)
-    assert json.loads(result.to_json())["sampling"]["seed"] == 2**70
+    assert group_json(result) == result.model_dump_json(by_alias=True)
+    assert json.loads(group_json(result))["sampling"]["seed"] == 2**70
 
 
 def test_chat_mode_has_no_trajectory_and_stop_strings_stay_exact(start_refenv, start_service):

@@ -35,6 +35,7 @@ from .errors import IncomparableEnv, RequestRefused, StartupError, shutting_down
 from .health import BackendMonitor
 from .metrics import Metrics
 from .policy import PolicyManager, replica_state
+from .result_json import group_json
 from .runlog import RunLog
 from .runner import EnvHandle, GroupRunner, ModelRoute, RunnerConfig, TaskTarget
 from .scheduler import EnvSlots, WorldScheduler
@@ -616,7 +617,7 @@ class RolloutService:
             result = await self.runner.run_group(request, target, route, sequence, self.run_id, share)
         finally:
             self.metrics.groups_in_flight.dec()
-        body = result.to_json()
+        body = group_json(result)
         if self.run_log is not None:
             self.run_log.append(body)
         return body
