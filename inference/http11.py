@@ -71,6 +71,7 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.body: list[bytes] = []
         self.header_bytes = 0
+        self.head_bytes = 0  # bytes received before the headers were whole
         self.headers_done = False
         self.framed = False  # Content-Length or chunked: the parser knows where the answer ends
 
@@ -93,6 +94,8 @@ class _Connection(asyncio.Protocol):
         return answer
 
     def abort(self) -> None:
+        # An answer in flight ends as no answer (not, when unframed, as what had come of it).
+        self._fail(TransportError("the connection was closed by this client"))
         self.closed = True
         self.idle_set.pop(self, None)
         self.live.discard(self)
@@ -109,11 +112,23 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.answered = True
+        if not self.headers_done:
+            # httptools reports a header once its line ends: one that never ends is cut off here.
+            self.head_bytes += len(data)
+            if self.head_bytes > 2 * MAX_HEADER_BYTES:
+                self._fail(TransportError("the answer's headers are too long"))
+                self.abort()
+                return
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(TransportError(f"not an HTTP answer: {exc}"))
             self.abort()  # also after an answer already given: the connection is not reused
+
+    def eof_received(self) -> None:
+        # The server closed its side: not to be handed out in the loop pass before connection_lost.
+        self.closed = True
+        self.idle_set.pop(self, None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -247,7 +262,8 @@ class Http11Transport(HttpTransport):
         now = time.monotonic()
         while idle:
             connection = idle.popitem()[0]
-            if not connection.closed and now - connection.idle_since < MAX_IDLE_S:
+            usable = connection.transport is not None and not connection.transport.is_closing()
+            if usable and not connection.closed and now - connection.idle_since < MAX_IDLE_S:
                 return connection
             connection.abort()
         return None

@@ -338,6 +338,10 @@ class _ScriptedServer:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{}")
             await writer.drain()
             return False
+        if path == "/unframed-slow":  # the start of an answer ended by the close, then nothing
+            writer.write(b"HTTP/1.1 200 OK\r\n\r\npartial")
+            await writer.drain()
+            path = "/slow"
         if path == "/slow":  # answered when released, unless the client hangs up first
             released, hung_up = asyncio.ensure_future(self.release.wait()), asyncio.ensure_future(reader.read())
             await asyncio.wait([released, hung_up], return_when=asyncio.FIRST_COMPLETED)
@@ -359,6 +363,12 @@ class _ScriptedServer:
             writer.write(b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 70_000 + b"\r\ncontent-length: 2\r\n\r\n{}")
         elif path == "/twice":  # a server's bug: two answers to one request
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\none" * 2)
+        elif path == "/endless-header":  # a header line that never ends, until the client hangs up
+            writer.write(b"HTTP/1.1 200 OK\r\nx-big: " + b"a" * 300_000)
+            await writer.drain()
+            await reader.read()
+            self._eof()
+            return False
         elif path == "/interim":
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfinal")
         else:
@@ -391,8 +401,11 @@ def test_the_bare_client_keeps_connections_alive_and_reads_every_framing():
             assert server.connections == 3
             with pytest.raises(TransportError):
                 await transport.request("GET", f"{url}/huge-headers")
+            with pytest.raises(TransportError) as caught:  # cut off at once, not buffered until the deadline
+                await transport.request("GET", f"{url}/endless-header")
+            assert not isinstance(caught.value, TransportTimeout)
             assert (await transport.request("GET", f"{url}/d")).body == b"/d"
-            assert server.connections == 4
+            assert server.connections == 5
 
     asyncio.run(go())
 
@@ -497,9 +510,11 @@ def test_a_request_cancelled_or_timed_out_closes_its_connection_and_aclose_ends_
                 await transport.request("GET", f"{url}/slow", timeout=0.2)
             assert await asyncio.wait_for(server.eof_seen.get(), 5) == 2
             assert (await transport.request("GET", f"{url}/c")).body == b"/c"
-            in_flight = asyncio.ensure_future(transport.request("GET", f"{url}/slow"))
-            while (await server.got.get()) != b"/slow":
+            # Begun, ended by the close, cut off by aclose: no answer, not the part that had come.
+            in_flight = asyncio.ensure_future(transport.request("GET", f"{url}/unframed-slow"))
+            while (await server.got.get()) != b"/unframed-slow":
                 pass
+            await asyncio.wait_for(_headers_read(transport), 5)
             await transport.aclose()
             with pytest.raises(TransportError):
                 await asyncio.wait_for(in_flight, 5)
@@ -510,3 +525,96 @@ def test_a_request_cancelled_or_timed_out_closes_its_connection_and_aclose_ends_
             server.server.close()
 
     asyncio.run(go())
+
+
+def test_a_connection_the_server_closed_in_the_same_loop_pass_is_not_handed_to_a_post():
+    """An env closes an idle connection just as another answer wakes the service: both are read in one
+    loop pass, before connection_lost runs. The POST that follows must go on a new connection, not
+    be written into the closed one and fail unsent (it is not retried). The client's loop is held
+    until the model has answered and then the env has closed (servers in a thread of their own):
+    the answer is read first, so the POST would run before connection_lost. The env's own log of
+    requests is the oracle. Break tried: no eof_received and no is_closing check -> the POST fails
+    with no request seen (3 runs of 3)."""
+    import threading
+
+    seen: list[bytes] = []
+    ports: list[int] = []
+    ready, stop = threading.Event(), threading.Event()
+    close_env, env_closed, answer_model, model_answered = (threading.Event() for _ in range(4))
+
+    async def wait(event: threading.Event) -> None:
+        assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10)
+
+    async def env(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                path = (await reader.readuntil(b"\r\n\r\n")).split()[1]
+                await reader.readexactly(2 if path == b"/step" else 0)
+                seen.append(path)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+                if path == b"/health":  # then its idle close, when told
+                    await wait(close_env)
+                    writer.close()
+                    await writer.wait_closed()
+                    env_closed.set()
+                    return
+        writer.close()
+
+    async def model(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"POST"):
+                    await reader.readexactly(2)
+                    await wait(answer_model)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+                if head.startswith(b"POST"):
+                    model_answered.set()
+        writer.close()
+
+    def serve() -> None:
+        async def main() -> None:
+            servers = [await asyncio.start_server(handler, "127.0.0.1", 0) for handler in (env, model)]
+            ports.extend(s.sockets[0].getsockname()[1] for s in servers)
+            ready.set()
+            await wait(stop)
+
+        asyncio.run(main())
+
+    def hold_the_loop() -> None:  # the model answers, then the env closes, while the loop is held
+        answer_model.set()
+        assert model_answered.wait(10)
+        close_env.set()
+        assert env_closed.wait(10)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    env_url, model_url = (f"http://127.0.0.1:{port}" for port in ports)
+
+    async def go() -> int:
+        transport = Http11Transport(timeout_s=5.0)
+        try:
+            await transport.request("GET", f"{env_url}/health")
+            await transport.request("GET", f"{model_url}/v1/models")  # kept alive: the POST below is written at once
+            asyncio.get_running_loop().call_soon(hold_the_loop)  # runs once the POST is written
+            await transport.request("POST", f"{model_url}/v1/completions", json={})
+            return (await transport.request("POST", f"{env_url}/step", json={})).status
+        finally:
+            await transport.aclose()
+
+    try:
+        assert asyncio.run(go()) == 200
+        assert seen == [b"/health", b"/step"]
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+async def _headers_read(transport: Http11Transport) -> None:
+    """Until the client has read an answer's headers: the server cannot see that, so the client's own
+    state says it (a loop pass at a time)."""
+    while not any(connection.headers_done for connection in transport._live):  # noqa: ASYNC110 - no event to wait on
+        await asyncio.sleep(0)
