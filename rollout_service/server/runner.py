@@ -552,17 +552,14 @@ class GroupRunner:
             self.metrics.turns.labels(version=lease.version.label).inc()
         choice = result.choices[0]
         has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
+        # An echo of another prompt is refused by the client, which gives back the very list sent: an
+        # exact turn's prompt ids share their int objects with the trajectory, where the server's echo
+        # would be thousands of new ones per turn.
         if exact and (
-            not has_ids
-            or choice.logprobs is None
-            or len(choice.logprobs) != len(choice.completion_token_ids or ())
-            or result.prompt_token_ids != prompt_ids
+            not has_ids or choice.logprobs is None or len(choice.logprobs) != len(choice.completion_token_ids or ())
         ):
-            raise BadInferenceResponse("a token-prompt completion without its ids and logprobs, or for another prompt")
+            raise BadInferenceResponse("a token-prompt completion without its ids and logprobs")
         self.metrics.completion_done(time.monotonic() - started, result.prompt_tokens, choice.completion_tokens)
-        # An exact turn's prompt ids are the ones sent (checked equal above): that list shares its int
-        # objects with the trajectory, where the server's echo would be thousands of new ones per turn.
-        prompt_token_ids = prompt_ids if exact else result.prompt_token_ids
         # Every value was validated where it came in (the server's and the env's answers): constructed
         # without checking thousands of ids again (~3% of the service's CPU at bench/ceiling.py's ceiling).
         turn = Turn.model_construct(
@@ -574,7 +571,7 @@ class GroupRunner:
             messages=observation.messages,
             response_format=observation.response_format,
             completion=choice.text,
-            prompt_token_ids=prompt_token_ids if has_ids else None,
+            prompt_token_ids=result.prompt_token_ids if has_ids else None,
             completion_token_ids=choice.completion_token_ids if has_ids else None,
             logprobs=choice.logprobs if has_ids else None,
             token_source="server" if has_ids else "absent",
