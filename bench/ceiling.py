@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from standins import REPLIES  # bench/ is on the path when this runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 8  # attempts per group
@@ -176,7 +177,7 @@ async def measure(args: argparse.Namespace, in_flight: int, completion_tokens: i
         model = stack.start(
             "model",
             [py, "bench/standins.py", "model", "--port", str(ports["model"]),
-             "--completion-tokens", str(completion_tokens)],
+             "--completion-tokens", str(completion_tokens), "--replies", args.replies],
         )  # fmt: skip
         env = stack.start(
             "env",
@@ -233,6 +234,7 @@ async def measure(args: argparse.Namespace, in_flight: int, completion_tokens: i
         "in_flight": in_flight,
         "completion_tokens": completion_tokens,
         "tokens": args.tokens,
+        "replies": args.replies,
         "attempts_asked": max(2 * in_flight, args.queued),
         "turns_per_s": round(stats["steps"] / elapsed, 1),
         "service_cpu_ms_per_turn": round(cpu["service"] * 1000 / steps, 3),
@@ -266,7 +268,15 @@ def main() -> None:
         "--tokens",
         choices=["exact", "chat"],
         default="exact",
-        help="the groups' `tokens`: exact (token prompts; /tokenize twice a turn) or chat (messages)",
+        help="the groups' `tokens`: exact (token prompts; a /tokenize of the conversation a turn) or chat (messages)",
+    )
+    parser.add_argument(
+        "--replies",
+        choices=REPLIES,
+        default="as-sampled",
+        help="exact mode: how the model's template tokenizes a reply, and so what a turn costs: as the ids sampled"
+        " (nothing more), as the reply's text alone (a short /tokenize more) or otherwise (a second /tokenize of"
+        " the conversation)",
     )
     parser.add_argument(
         "--queued", type=int, default=0, help="attempts to keep asked for (memory: e.g. 100000 with 1024 in flight)"

@@ -11,8 +11,9 @@ limit.
 
 The model server speaks what the service uses of vLLM: /v1/models, /tokenize (messages through a
 ChatML-like template whose render of a conversation is the concatenation of its messages' renders,
-so exact trajectories work), /v1/completions with token prompts (echoing the prompt's ids, N
-completion ids and N logprobs) and /v1/chat/completions. A "token" is 4 characters of text.
+so exact trajectories work; a completion's text renders as its sampled ids, or --replies otherwise), and
+/v1/completions with token prompts (N tokens with their logprobs, as "token_id:<id>" where asked;
+the ids and the prompt's with return_token_ids) and /v1/chat/completions. A "token" is 4 characters.
 
 The env speaks the step contract: /health, /tasks, /step/reset, /step and DELETE /step/{id}, with
 multi-turn episodes whose messages grow by the completion and an observation each turn. Its own
@@ -91,18 +92,29 @@ def _serve(handle: Handler, port: int) -> None:
 # -- the model server ---------------------------------------------------------------------------
 
 
+# How the template tokenizes a completion's text, which decides how the service finds the env's new
+# tokens in exact mode: as the ids sampled; otherwise, but as the text alone; otherwise than either.
+REPLIES = ("as-sampled", "alone", "apart")
+
+
 class Model:
-    def __init__(self, completion_tokens: int) -> None:
+    def __init__(self, completion_tokens: int, replies: str = "as-sampled") -> None:
+        self.replies = replies
         n = completion_tokens
         self.ids = list(range(1000, 1000 + n))
         self.ids_json = orjson.dumps(self.ids)
         self.logprobs_json = orjson.dumps([-0.25] * n)
         self.chat_logprobs_json = orjson.dumps({"content": [{"token": "x", "logprob": -0.25}] * n})
-        self.text_json = orjson.dumps(("w" * (CHARS_PER_TOKEN - 1) + " ") * n)
+        self.text = ("w" * (CHARS_PER_TOKEN - 1) + " ") * n
+        self.text_json = orjson.dumps(self.text)
+        self.tokens_json = orjson.dumps([f"token_id:{i}" for i in self.ids])  # return_tokens_as_token_ids
+        self.text_tokens = orjson.dumps(["w" * (CHARS_PER_TOKEN - 1) + " "] * n)
         self.n = n
         self._content: dict[str, list[int]] = {}
 
     def content_ids(self, text: str) -> list[int]:
+        if text == self.text and self.replies == "as-sampled":
+            return self.ids
         ids = self._content.get(text)
         if ids is None:
             if len(self._content) > 100_000:
@@ -116,7 +128,10 @@ class Model:
         out: list[int] = []
         for m in messages:
             out += (START, ROLE.get(m.get("role"), 14))
-            out += self.content_ids(m.get("content") or "")
+            content = self.content_ids(m.get("content") or "")
+            if self.replies == "apart" and m.get("role") == "assistant" and len(content) > 8:
+                content = [*content[:-1], 7]  # a long reply's last token joined with what follows it
+            out += content
             out += (END, NL)
         if generation_prompt:
             out += (START, ROLE["assistant"])
@@ -126,15 +141,18 @@ class Model:
         if path == "/v1/completions":
             request = orjson.loads(body)
             prompt = request["prompt"]
+            ids = b""
+            if request.get("return_token_ids"):
+                ids = b"".join((b',"token_ids":', self.ids_json, b',"prompt_token_ids":', orjson.dumps(prompt)))
+            tokens = self.tokens_json if request.get("return_tokens_as_token_ids") else self.text_tokens
             return 200, b"".join(
                 (
                     b'{"id":"c","object":"text_completion","model":"%s","choices":[{"index":0,"text":' % MODEL.encode(),
                     self.text_json,
-                    b',"token_ids":',
-                    self.ids_json,
-                    b',"prompt_token_ids":',
-                    orjson.dumps(prompt),
-                    b',"logprobs":{"token_logprobs":',
+                    ids,
+                    b',"logprobs":{"tokens":',
+                    tokens,
+                    b',"token_logprobs":',
                     self.logprobs_json,
                     b'},"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":%d,'
                     b'"completion_tokens":%d}}' % (len(prompt), self.n),
@@ -146,7 +164,7 @@ class Model:
                 tokens = self.render(request["messages"], request.get("add_generation_prompt", True))
             else:
                 tokens = self.content_ids(request.get("prompt") or "")
-            return 200, orjson.dumps({"tokens": tokens, "count": len(tokens), "max_model_len": 1 << 20})
+            return 200, orjson.dumps({"count": len(tokens), "max_model_len": 1 << 20, "tokens": tokens})
         if path == "/v1/chat/completions":
             request = orjson.loads(body)
             prompt = self.render(request["messages"], True)
@@ -288,6 +306,7 @@ def main() -> None:
     model = sub.add_parser("model", help="the instant model server")
     model.add_argument("--port", type=int, required=True)
     model.add_argument("--completion-tokens", type=int, default=128)
+    model.add_argument("--replies", choices=REPLIES, default="as-sampled", help="how the template tokenizes a reply")
     env = sub.add_parser("env", help="the instant env")
     env.add_argument("--port", type=int, required=True)
     env.add_argument("--pool", type=int, default=256)
@@ -296,7 +315,7 @@ def main() -> None:
     env.add_argument("--observation-tokens", type=int, default=100, help="what each step adds")
     args = parser.parse_args()
     if args.what == "model":
-        _serve(Model(args.completion_tokens).handle, args.port)
+        _serve(Model(args.completion_tokens, args.replies).handle, args.port)
     else:
         _serve(Env(args.pool, args.turns, args.prompt_tokens, args.observation_tokens).handle, args.port)
 

@@ -14,12 +14,13 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar, TypeVar
 
 import httpx
 from pydantic import StrictInt, TypeAdapter
 
-from .transport import HttpAnswer, HttpTransport, TransportError, TransportTimeout, make_transport
+from .transport import HttpAnswer, HttpTransport, TransportError, TransportTimeout, loads, make_transport
 
 MAX_DETAIL_CHARS = 500
 T = TypeVar("T")
@@ -120,6 +121,68 @@ class ChatResult:
     prompt_tokens: int
     choices: list[Choice]
     latency_s: float
+
+
+_TOKENS_KEY = b'"tokens":['
+
+
+@dataclass
+class TokenizeAnswer:
+    """A /tokenize answer's body. A conversation's render is thousands of ids, and a turn mostly needs
+    only those after the render it had before: `after` finds them by comparing bytes, never turning
+    the known ids into Python objects (a decode, a validation and a list comparison of each)."""
+
+    body: bytes
+
+    def ids(self) -> list[int]:
+        try:
+            tokens = loads(self.body)["tokens"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadInferenceResponse(f"unexpected /tokenize answer: {type(exc).__name__}: {exc}") from None
+        try:
+            return _TOKEN_IDS.validate_python(tokens)
+        except ValueError:
+            raise BadInferenceResponse("unexpected /tokenize answer: tokens is not a list of ints") from None
+
+    @cached_property
+    def array(self) -> bytes | None:
+        """The ids as the JSON array the answer holds (b"[1,2,3]"), where it is a compact array of the
+        answer's own "tokens" and as long as its "count" says; else None. JSON writes an int one way
+        only, so arrays with equal bytes hold equal ids."""
+        body = self.body
+        at = body.find(_TOKENS_KEY)
+        if at < 0:
+            return None
+        start = at + len(_TOKENS_KEY) - 1
+        close = body.find(b"]", start)  # ints only: the first "]" closes the array
+        if close < 0:
+            return None
+        # The answer with the array taken out must be an object whose "tokens" is where the array was.
+        skeleton = body[:start] + b"0" + body[close + 1 :]
+        try:
+            shape = loads(skeleton)
+        except ValueError:
+            return None
+        array = body[start : close + 1]
+        length = array.count(b",") + 1 if close > start + 1 else 0
+        if not isinstance(shape, dict) or shape.get("tokens") != 0 or shape.get("count") != length:
+            return None
+        return array
+
+    def after(self, known: bytes) -> list[int] | None:
+        """The ids after those of `known` (a JSON array as `array()` gives) when this answer's begin with
+        them and at least one follows; None where the bytes cannot say so for sure (other ids, another
+        shape): `ids()` then reads it in whole."""
+        array = self.array
+        if array is None or len(known) < 3:  # "[]": nothing known
+            return None
+        prefix = known[:-1] + b","  # "[1,2,3," : the array up to what follows them
+        if not array.startswith(prefix) or len(array) == len(prefix) + 1:
+            return None
+        try:
+            return _TOKEN_IDS.validate_python(loads(b"[" + array[len(prefix) :]))
+        except ValueError:
+            return None
 
 
 @dataclass
@@ -353,7 +416,9 @@ class ChatClient:
             "prompt": prompt_token_ids,
             **{k: v for k, v in sampling.items() if v is not None},
             "logprobs": 0,  # the sampled token's own logprob only
-            "return_token_ids": True,
+            # Each sampled token as "token_id:<id>" beside its logprob. Not `return_token_ids`: that
+            # echoes the prompt's ids too, thousands a turn that the service sent itself.
+            "return_tokens_as_token_ids": True,
         }
         if sampling.get("stop"):
             # The ids include the tokens that formed a stop string; so must the text the env sees, or the
@@ -377,22 +442,30 @@ class ChatClient:
     ) -> list[int]:
         """Token ids of `messages` as the server's chat template renders them (vLLM's /tokenize), or of
         plain `text` without special tokens. A server without /tokenize answers InferenceRejected(404)."""
+        answer = await self.tokenize_answer(
+            model=model, messages=messages, text=text, add_generation_prompt=add_generation_prompt, affinity=affinity
+        )
+        return answer.ids()
+
+    async def tokenize_answer(
+        self,
+        *,
+        model: str,
+        messages: list[dict] | None = None,
+        text: str | None = None,
+        add_generation_prompt: bool = True,
+        affinity: str | None = None,
+    ) -> TokenizeAnswer:
+        """`tokenize`'s answer, unread: its ids in whole, or only those after ids the caller knows."""
         body: dict[str, Any] = {"model": model}
         if messages is not None:
             body.update(messages=messages, add_generation_prompt=add_generation_prompt)
         else:
             body.update(prompt=text or "", add_special_tokens=False)
 
-        async def send(endpoint: Endpoint) -> list[int]:
+        async def send(endpoint: Endpoint) -> TokenizeAnswer:
             response, _ = await self._post(endpoint, "/tokenize", body)
-            try:
-                tokens = response.json()["tokens"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise BadInferenceResponse(f"unexpected /tokenize answer: {type(exc).__name__}: {exc}") from None
-            try:
-                return _TOKEN_IDS.validate_python(tokens)
-            except ValueError:
-                raise BadInferenceResponse("unexpected /tokenize answer: tokens is not a list of ints") from None
+            return TokenizeAnswer(response.body)
 
         # Not reported to on_failure: a tokenizer answer says nothing about which weights a replica serves.
         return await self._with_failover(affinity, send, report=False)
@@ -497,11 +570,28 @@ def error_text(response: HttpAnswer | httpx.Response) -> str:
     return response.text
 
 
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+def _ids_of_tokens(tokens: Any) -> list[int]:
+    """The ids of a completion's logprobs tokens as vLLM writes them with `return_tokens_as_token_ids`
+    ("token_id:42"). Read as one JSON array in C: a Python loop over a 1024-token turn took ~0.2 ms."""
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("logprobs.tokens is not a list of strings")
+    joined = ",".join(tokens)
+    if tokens and f",{joined}".count(f",{_TOKEN_ID_PREFIX}") != len(tokens):  # each one begins so
+        raise ValueError('logprobs.tokens are not "token_id:<id>" (the server ignored return_tokens_as_token_ids)')
+    ids = _TOKEN_IDS.validate_python(loads(f"[{joined.replace(_TOKEN_ID_PREFIX, '')}]"))
+    if len(ids) != len(tokens):
+        raise ValueError("logprobs.tokens are not one id each")
+    return ids
+
+
 def _parse(data: dict, endpoint: str, model: str, latency: float, sent_prompt: list[int] | None = None) -> ChatResult:
     """The answer as a ChatResult; raises ValueError (or a lookup error) on any shape it cannot use.
-    With `sent_prompt` (token ids sent), prompt ids echoed must be those: the result then holds the
-    list sent, checked once here instead of validated and compared again (thousands a turn). An echo
-    of the same numbers in another JSON form (1.0 for 1) passes: the ids kept are the ones sent."""
+    With `sent_prompt` (token ids sent), the result holds the very list sent: the server's count of
+    the prompt's tokens must be its length, and prompt ids it echoes anyway must be those (an echo
+    of the same numbers in another JSON form, 1.0 for 1, passes: the ids kept are the ones sent)."""
     raw_choices = data["choices"]
     if not isinstance(raw_choices, list) or not raw_choices:
         raise ValueError("the answer has no choices")
@@ -517,6 +607,8 @@ def _parse(data: dict, endpoint: str, model: str, latency: float, sent_prompt: l
         ids = raw.get("token_ids")
         if ids is not None:
             ids = _TOKEN_IDS.validate_python(ids)
+        elif raw_lp.get("tokens") is not None and sent_prompt is not None:
+            ids = _ids_of_tokens(raw_lp["tokens"])
         text = raw["message"].get("content") if "message" in raw else raw["text"]
         text = text or ""
         if not isinstance(text, str):
@@ -539,9 +631,13 @@ def _parse(data: dict, endpoint: str, model: str, latency: float, sent_prompt: l
     prompt_ids = data.get("prompt_token_ids")
     if prompt_ids is None and raw_choices[0].get("prompt_token_ids") is not None:  # completions: per choice
         prompt_ids = raw_choices[0]["prompt_token_ids"]
-    if prompt_ids is not None and sent_prompt is not None:
-        if prompt_ids != sent_prompt:
+    if sent_prompt is not None:
+        if prompt_ids is not None and prompt_ids != sent_prompt:
             raise ValueError("the prompt_token_ids echoed are not the prompt sent")
+        # What says the server generated from these ids, now that they are not echoed: its own count.
+        counted = usage.get("prompt_tokens")
+        if counted != len(sent_prompt):
+            raise ValueError(f"the server counted {counted} prompt tokens where {len(sent_prompt)} were sent")
         prompt_ids = sent_prompt
     elif prompt_ids is not None:
         prompt_ids = _TOKEN_IDS.validate_python(prompt_ids)

@@ -58,7 +58,7 @@ def dumps(value: Any) -> bytes:
         return std_json.dumps(value).encode()
 
 
-def loads(body: bytes) -> Any:
+def loads(body: bytes | str) -> Any:
     """`body` as JSON; ValueError when it is not JSON."""
     try:
         return orjson.loads(body)

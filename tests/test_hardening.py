@@ -109,39 +109,57 @@ def test_an_env_answer_that_breaks_the_contract_is_a_typed_failure():
 
 
 def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
-    """The model's side: a /v1/completions answer must echo the prompt ids sent, else the turn's ids
-    would not be the model's (a stand-in transport: vLLM cannot be made to echo another prompt). An
-    answer that does echo them holds the very list sent. Break tried: the echo check in _parse
-    removed -> the wrong echo passes, fails."""
+    """The model's side: a /v1/completions answer must be for the prompt ids sent (the server's count of
+    them, and any echo of them, agree), and its tokens must be the ids asked for ("token_id:<id>"),
+    else the turn's ids would not be the model's (a stand-in transport: vLLM cannot be made to answer
+    for another prompt). An answer that agrees holds the very list sent. Breaks tried: the echo
+    check in _parse removed -> the wrong echo passes, fails; the count check removed -> a shorter
+    prompt counted passes, fails; the prefix count removed -> "5" read as an id, fails; each token's
+    prefix not required at its start -> "token_id:1token_id:" read as 1, fails."""
     import asyncio
 
     from inference.client import BadInferenceResponse, ChatClient
 
     sent = list(range(100, 140))
+    ids = ["token_id:7", "token_id:8"]
 
-    def answer(echo: list[int], finish_reason: object = "stop"):  # type: ignore[no-untyped-def]
+    def answer(echo: list | None, counted: int, tokens: list, finish_reason: object):  # type: ignore[no-untyped-def]
         def handle(request: httpx.Request) -> httpx.Response:
-            choice = {"index": 0, "text": "ok", "finish_reason": finish_reason, "token_ids": [7, 8],
-                      "prompt_token_ids": echo, "logprobs": {"token_logprobs": [-0.1, -0.2]}}  # fmt: skip
-            return httpx.Response(200, json={"choices": [choice], "usage": {"prompt_tokens": len(echo)}})
+            choice = {"index": 0, "text": "ok", "finish_reason": finish_reason,
+                      "logprobs": {"tokens": tokens, "token_logprobs": [-0.1, -0.2]}}  # fmt: skip
+            if echo is not None:
+                choice["prompt_token_ids"] = echo
+            usage = {} if counted is None else {"prompt_tokens": counted}
+            return httpx.Response(200, json={"choices": [choice], "usage": usage})
 
         return httpx.MockTransport(handle)
 
-    async def complete(echo: list[int], finish_reason: object = "stop"):  # type: ignore[no-untyped-def]
-        client = ChatClient(["http://model"], transport=answer(echo, finish_reason))
+    async def complete(echo=None, counted=len(sent), tokens=ids, finish_reason="stop"):  # type: ignore[no-untyped-def]
+        client = ChatClient(["http://model"], transport=answer(echo, counted, tokens, finish_reason))
         try:
             return await client.complete(model="m", prompt_token_ids=sent, sampling={})
         finally:
             await client.aclose()
 
-    assert asyncio.run(complete(list(sent))).prompt_token_ids is sent
-    for wrong in ([*sent[:-1], 1], sent[:-1], [float(t) for t in sent[:-1]] + ["x"]):
+    result = asyncio.run(complete())
+    assert result.prompt_token_ids is sent and result.choices[0].completion_token_ids == [7, 8]
+    assert asyncio.run(complete(echo=list(sent))).prompt_token_ids is sent
+    wrong = [
+        {"echo": [*sent[:-1], 1]},  # an echo of another prompt
+        {"echo": [float(t) for t in sent[:-1]] + ["x"]},
+        {"counted": len(sent) - 1},  # a prompt cut short (the server's count)
+        {"tokens": ["5", "token_id:8"]},  # tokens as text, not ids
+        {"tokens": ["token_id:7", "token_id:x"]},
+        {"tokens": ["token_id:7,8"]},  # one token, two ids
+        {"tokens": ["token_id:1token_id:", "2"]},  # ids a decoder of each token would not give
+        {"tokens": ["token_id:token_id:7", "8"]},
+        {"tokens": "token_id:7"},
+        {"counted": None},  # no count: nothing would say the server generated from the ids sent
+        {"finish_reason": 7},  # not text: a bad answer here, not a result the trainer cannot read
+    ]
+    for case in wrong:
         with pytest.raises(BadInferenceResponse):
-            asyncio.run(complete(wrong))
-    # Nothing else of a turn is checked again once it is built: a finish_reason that is not text is a
-    # bad answer here, not a result the trainer cannot read (break tried: no check -> passes, fails).
-    with pytest.raises(BadInferenceResponse):
-        asyncio.run(complete(list(sent), finish_reason=7))
+            asyncio.run(complete(**case))
 
 
 @pytest.mark.env_may_wait  # the test holds the only world itself, so the service's reset waits

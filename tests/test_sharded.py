@@ -83,6 +83,10 @@ def test_a_task_several_services_serve_is_spread_over_them():
     }
 
 
+async def _other_tasks() -> list[str]:
+    return [repr(t) for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+
 def test_leaving_a_sharded_batch_early_cancels_the_rest_on_every_service(
     start_refenv, start_service, start_scripted_model
 ):
@@ -100,6 +104,10 @@ def test_leaving_a_sharded_batch_early_cancels_the_rest_on_every_service(
         for item in client.groups(requests):
             assert item.group is not None
             break
+        # Closed when the loop is left, not after: nothing of the batch still runs on the client's loop
+        # (closing the client then destroyed it pending). Break tried: no wait for the pump's end -> the
+        # pump and the streams' tasks still pending here, fails.
+        assert asyncio.run_coroutine_threadsafe(_other_tasks(), client._loop).result(10) == []
 
     def all_ended() -> bool:
         healths = [httpx.get(f"{e.url}/health", timeout=5).json() for e in (env_a, env_b)]

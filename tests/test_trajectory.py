@@ -42,6 +42,7 @@ def run_groups(service: str, groups: list[dict]) -> list[dict]:
 
 
 _RUN: dict[str, tuple[list[dict], list[dict]]] = {}
+_CONTINUED: dict[str, float] = {}  # the service's rollout_exact_continuations_total after the run, by how
 
 
 @pytest.fixture
@@ -70,6 +71,9 @@ def _exact_run(start_refenv, start_service, vllm_url: str) -> tuple[list[dict], 
     free = run_groups(
         service.url, [{"task_id": tasks[2], "n": 3, "sampling": sampling, "max_turns": 3, "constrained": False}]
     )
+    for line in httpx.get(f"{service.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("rollout_exact_continuations_total{"):
+            _CONTINUED[line.split('how="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
     return constrained, free
 
 
@@ -108,6 +112,25 @@ def test_turns_continue_the_sampled_tokens_exactly(exact_run):
             assert segment["prompt_tokens"] == len(mine[0]["prompt_token_ids"])
             assert len(segment["loss_mask"]) == len(segment["logprobs"]) == len(segment["token_ids"])
     assert pairs >= 5, f"only {pairs} consecutive turn pairs: the run checked too little"
+
+
+def test_turns_go_on_without_rendering_the_conversation_so_far_where_they_can(exact_run):
+    """On the real vLLM: a turn that goes on from its segment finds the env's new messages in the render
+    of the whole conversation after the ids sampled, or after its reply's text tokenized alone, where
+    that render confirms it; only otherwise is the conversation so far rendered apart. SmolLM2's
+    constrained replies are mostly not tokenized as the tokenizer would (1 of 14 in one run), and
+    about two in three of them are as the reply alone. Oracle for the count: the results' own
+    segments (a turn in its predecessor's segment went on from it); the test above checks that each
+    way gave the exact tokens. Break tried: both cheap ways' comparisons always false -> only
+    rendered_apart, fails."""
+    went_on = sum(
+        before["segment"] == after["segment"]
+        for attempt in attempts_of(exact_run[0] + exact_run[1])
+        for before, after in zip(attempt["turns"], attempt["turns"][1:], strict=False)
+    )
+    assert went_on >= 5
+    assert sum(_CONTINUED.values()) == went_on, _CONTINUED
+    assert _CONTINUED.get("from_samples", 0) + _CONTINUED.get("from_reply", 0) > 0, _CONTINUED
 
 
 def test_loss_mask_covers_exactly_the_trainable_sampled_tokens(exact_run):
@@ -274,3 +297,212 @@ def test_a_server_without_token_prompts_gets_chat(start_refenv, start_service, s
     assert server["token_prompts"].startswith("no: ") and "404" in server["token_prompts"], server
     refused = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 2, "tokens": "exact"}, timeout=30)
     assert refused.status_code == 422 and refused.json()["error"] == "token_prompts_unsupported", refused.text
+
+
+# -- how a turn finds the env's new tokens, on a stand-in model server --------------------------
+# A stand-in over httpx's MockTransport: a real vLLM cannot be made to tokenize a reply one way or
+# another on demand, and the shared server's /tokenize count is other workers' too. Its template is
+# ChatML-like, one id per character; its own log of /tokenize calls is the oracle for how many
+# renders a turn cost, and `render` below (the template, written apart from the code under test) for
+# the ids.
+START, END, NL, ASSISTANT, USER = 1, 2, 3, 4, 5
+ROLES = {"assistant": ASSISTANT, "user": USER}
+
+
+def _chars(text: str) -> list[int]:
+    return [1000 + ord(c) for c in text]
+
+
+def _render(messages: list[dict], generation_prompt: bool, merge: str | None = None) -> list[int]:
+    """The template. `merge` "start": an assistant message that begins with "S" has it tokenized with its
+    header (as a BPE may join some replies' start with the newline before them); "end": one that ends
+    with "1" has it tokenized with what follows. Either way the reply alone tokenizes otherwise."""
+    out: list[int] = []
+    for m in messages:
+        content = _chars(m["content"])
+        if merge == "start" and m["role"] == "assistant" and m["content"].startswith("S"):
+            out += [START, 500 + content[0]] + content[1:]
+        elif merge == "end" and m["role"] == "assistant" and m["content"].endswith("1"):
+            out += [START, ASSISTANT, *content[:-1], 600]
+        else:
+            out += [START, ROLES[m["role"]], *content]
+        out += [END, NL]
+    return out + ([START, ASSISTANT] if generation_prompt else [])
+
+
+class _TemplateServer:
+    def __init__(self, merge: str | None = None) -> None:
+        self.merge = merge
+        self.renders: list[tuple[int, bool]] = []  # (messages, generation prompt) of each /tokenize of messages
+        self.texts: list[str] = []  # each /tokenize of plain text
+        self.fail_next = 0
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/tokenize":
+            if self.fail_next:
+                self.fail_next -= 1
+                return httpx.Response(503, json={"error": {"message": "busy"}})
+            if "messages" in body:
+                self.renders.append((len(body["messages"]), body["add_generation_prompt"]))
+                ids = _render(body["messages"], body["add_generation_prompt"], self.merge)
+            else:
+                self.texts.append(body["prompt"])
+                ids = _chars(body["prompt"])
+            answer = {"count": len(ids), "max_model_len": 8192, "tokens": ids, "token_strs": None}  # vLLM's
+            return httpx.Response(200, content=json.dumps(answer, separators=(",", ":")).encode())
+        assert request.url.path == "/v1/completions", request.url
+        assert body["return_tokens_as_token_ids"] is True and "return_token_ids" not in body
+        return httpx.Response(
+            200,
+            json={"choices": [{"index": 0, "text": "x", "finish_reason": "length",
+                               "logprobs": {"tokens": ["token_id:1120"], "token_logprobs": [-0.5]}}],
+                  "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1}},
+        )  # fmt: skip
+
+
+def _reply_turn(index: int, text: str, ids: list[int]):  # type: ignore[no-untyped-def]
+    from rollout_service.protocol import Turn
+
+    return Turn.model_construct(
+        index=index, completion=text, completion_token_ids=ids, logprobs=[-0.5] * len(ids), trainable=True,
+        policy_version=None, policy_version_end=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("sampled", "merge", "how", "renders_per_turn", "texts_per_turn"),
+    [
+        ("as_tokenized", None, "from_samples", 1, 0),  # the reply's ids are the template's
+        ("two_per_token", None, "from_reply", 1, 1),  # sampled otherwise; the reply alone tokenizes as in place
+        ("two_per_token", "end", "rendered_apart", 2, 1),  # in place it tokenizes otherwise again
+        ("as_tokenized", "start", "rendered_apart", 2, 0),  # ... and so does the prompt before it: not asked
+    ],
+)
+def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
+    sampled, merge, how, renders_per_turn, texts_per_turn
+):
+    """Three attempts of one group open on the same messages (one render for all three), sample a reply,
+    go on with the env's next message, sample a second reply (as the tokenizer splits it) and go on
+    again. Each prompt must be the one before, the ids sampled, the end of turn and the template's
+    render of the new message, whichever way the split was found: after the sampled ids; after the
+    reply's text tokenized alone; or by rendering the conversation so far. The third turn goes on
+    after the sampled ids whatever the first reply was: it is read on from the template's own render
+    of the conversation, not from the ids sampled. Breaks tried: the opening not shared (3 renders,
+    fails); the bridge left out of the from_samples return (ids wrong, fails); the reply compared at
+    the wrong offset (rendered apart, counts fail); read on from the segment's sampled ids instead of
+    the last render (the third turn rendered apart after a first reply sampled otherwise, fails)."""
+    import asyncio
+
+    from inference.client import ChatClient
+    from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
+
+    server = _TemplateServer(merge)
+    opening = [{"role": "user", "content": "task"}]
+    reply, second_reply = "SELECT 1", "done"
+    # Sampled ids that decode to the reply: the template's own split, or another split (a pair of
+    # characters as one id, as a constrained or unlucky sample may take).
+    ids = _chars(reply) if sampled == "as_tokenized" else [9000 + i for i in range(len(reply) // 2)]
+    observation, second_observation = {"role": "user", "content": "1 row"}, {"role": "user", "content": "ok"}
+    conversation = [*opening, {"role": "assistant", "content": reply}, observation]
+    longer = [*conversation, {"role": "assistant", "content": second_reply}, second_observation]
+
+    async def go() -> tuple[list[list[list[int]]], list[list[str | None]]]:
+        client = ChatClient(["http://model"], transport=httpx.MockTransport(server.handle))
+        try:
+            renderer = TemplateRenderer(client, "m")
+            assert await renderer.supported("g")
+            builders = [TrajectoryBuilder(renderer, "g") for _ in range(3)]
+            server.renders.clear()
+            server.texts.clear()
+            prompts = [await asyncio.gather(*(b.prompt(opening) for b in builders))]
+            assert len(server.renders) == 1, server.renders  # one opening render for the group
+            for b in builders:
+                b.record(_reply_turn(0, reply, ids))
+            prompts.append([await b.prompt(conversation) for b in builders])
+            continued = [[b.continued for b in builders]]
+            for b in builders:
+                b.record(_reply_turn(1, second_reply, _chars(second_reply)))
+            prompts.append([await b.prompt(longer) for b in builders])
+            continued.append([b.continued for b in builders])
+            return prompts, continued
+        finally:
+            await client.aclose()
+
+    prompts, continued = asyncio.run(go())
+    opened = _render(opening, True, merge)
+    second = opened + ids + [END, NL] + _render([observation], True, merge)
+    third = second + _chars(second_reply) + [END, NL] + _render([second_observation], True, merge)
+    assert prompts == [[opened] * 3, [second] * 3, [third] * 3]
+    assert continued == [[how] * 3, ["from_samples"] * 3]
+    assert len(server.renders) == 1 + 3 * renders_per_turn + 3
+    assert server.texts == [reply] * (3 * texts_per_turn)
+
+
+def test_a_failed_opening_render_fails_only_the_attempt_that_asked():
+    """A group's shared opening render that failed is not handed to the attempts that joined it (each
+    asks once itself) nor kept for the next attempt. Breaks tried: the joiners given the failure -> 3
+    of 4 fail; the failed render left in place -> the next attempt fails."""
+    import asyncio
+
+    from inference.client import ChatClient, InferenceError
+    from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
+
+    server = _TemplateServer()
+    opening = [{"role": "user", "content": "task"}]
+
+    async def go() -> tuple[list, list[int]]:
+        client = ChatClient(["http://model"], transport=httpx.MockTransport(server.handle))
+        try:
+            renderer = TemplateRenderer(client, "m")
+            assert await renderer.supported("g")
+            server.fail_next = 1
+            first = await asyncio.gather(
+                *(TrajectoryBuilder(renderer, "g").prompt(opening) for _ in range(4)), return_exceptions=True
+            )
+            return first, await TrajectoryBuilder(renderer, "g").prompt(opening)
+        finally:
+            await client.aclose()
+
+    first, later = asyncio.run(go())
+    opened = _render(opening, True)
+    assert [isinstance(r, InferenceError) for r in first] == [True, False, False, False]
+    assert first[1:] == [opened] * 3 and later == opened
+
+
+def test_the_ids_after_known_ones_are_read_from_the_answers_bytes_only_where_they_are_sure():
+    """TokenizeAnswer.after: the ids after a known render's, or None wherever the bytes cannot say so for
+    sure (then the whole answer is read). Oracle: the standard library's JSON of the same answers.
+    Breaks tried: the count not compared -> the disagreeing count passes, fails; the prefix without
+    its trailing comma -> [1,2,3] matches [1,2,30,...], fails."""
+    from inference.client import TokenizeAnswer
+
+    def vllm(ids: list[int], count: int | None = None, **dump: object) -> TokenizeAnswer:
+        answer = {"count": len(ids) if count is None else count, "max_model_len": 8, "tokens": ids, "token_strs": None}
+        return TokenizeAnswer(json.dumps(answer, **dump).encode())  # type: ignore[arg-type]
+
+    def known(ids: list[int]) -> bytes:
+        return json.dumps(ids, separators=(",", ":")).encode()
+
+    ids = [1, 2, 30, 4, 5]
+    compact = {"separators": (",", ":")}
+    assert vllm(ids, **compact).array == known(ids)
+    assert vllm(ids, **compact).after(known([1, 2, 30])) == [4, 5]
+    assert vllm(ids, **compact).after(known([1, 2])) == [30, 4, 5]
+    for prefix in ([1, 2, 3], [2, 30], ids, [], [*ids, 6]):  # not a prefix, all of them, or none
+        assert vllm(ids, **compact).after(known(prefix)) is None, prefix
+    assert vllm(ids).after(known([1, 2])) is None  # spaced JSON: not sure, so not read this way
+    assert vllm(ids).ids() == ids
+    assert vllm(ids, count=6, **compact).after(known([1, 2])) is None  # the server's count disagrees
+    for body in (
+        b'{"count":3,"tokens":[1,2,"x"]}',
+        b'{"count":3,"tokens":[1,2,3.5]}',
+        b'{"count":3,"tokens":[1,2,345',  # cut short
+        b'{"count":3,"tokens":[1,2,]}',  # not JSON
+        b'{"count":3,"tokens":[1,2,3],"tokens":[1,2,9]}',  # which one a decoder keeps is its choice
+        b'{"count":3,"x":{"tokens":[1,2,3]}}',
+        b'[{"count":3,"tokens":[1,2,3]}]',
+        b'{"count":3,"tokens":[1,2,3]}garbage',
+        b'{"tokens":[1,2,3]}',  # no count: not vLLM's shape
+    ):
+        assert TokenizeAnswer(body).after(known([1, 2])) is None, body

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .trajectory import Continuation
 
 if TYPE_CHECKING:
     from ..protocol import Attempt, GroupResult
@@ -41,6 +43,15 @@ class Metrics:
             "rollout_reward", "Scored rewards", buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1), registry=r
         )
 
+        self.continuations = Counter(
+            "rollout_exact_continuations",
+            "Exact turns that went on from their segment, by how the env's new tokens were found in the render"
+            " of the whole conversation: after the ids sampled, after the reply's text tokenized on its own, or"
+            " by a render of the conversation so far",
+            ["how"],
+            registry=r,
+        )
+        self._continued = {how: self.continuations.labels(how=how) for how in get_args(Continuation)}
         self.turns = Counter("rollout_turns", "Policy turns generated, by policy version", ["version"], registry=r)
         self.policy_updates = Histogram(
             "rollout_policy_update_seconds", "Policy updates, by kind", ["kind"], buckets=_LATENCY_BUCKETS, registry=r
@@ -50,6 +61,9 @@ class Metrics:
         self.inference_latency.observe(seconds)
         self._prompt_tokens.inc(prompt_tokens)
         self._completion_tokens.inc(completion_tokens)
+
+    def continued(self, how: str) -> None:
+        self._continued[how].inc()
 
     def policy_update(self, kind: str, seconds: float) -> None:
         self.policy_updates.labels(kind=kind).observe(seconds)

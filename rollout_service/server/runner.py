@@ -197,6 +197,8 @@ class GroupRunner:
                     attempts[i] = attempt
         finally:
             policy.client.unpin(group_id)
+            if policy.renderer is not None:
+                policy.renderer.forget(group_id)
             if self.support is not None:
                 self.support.client.unpin(group_id)
         result = assemble(
@@ -518,6 +520,8 @@ class GroupRunner:
                 prompt_ids = await trajectory.prompt(observation.messages)
             finally:
                 clock.inference += time.monotonic() - started
+            if trajectory.continued is not None:
+                self.metrics.continued(trajectory.continued)
         lease = None
         if self.versions is not None and route is self.policy:
             clock.waiting_for_policy = True
@@ -552,9 +556,8 @@ class GroupRunner:
             self.metrics.turns.labels(version=lease.version.label).inc()
         choice = result.choices[0]
         has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
-        # An echo of another prompt is refused by the client, which gives back the very list sent: an
-        # exact turn's prompt ids share their int objects with the trajectory, where the server's echo
-        # would be thousands of new ones per turn.
+        # An exact turn's prompt ids are the very list the client sent (it refuses an answer whose count or
+        # echo of the prompt differs): they share their int objects with the trajectory.
         if exact and (
             not has_ids or choice.logprobs is None or len(choice.logprobs) != len(choice.completion_token_ids or ())
         ):

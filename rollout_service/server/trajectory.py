@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
 
 from inference.client import BadInferenceResponse, ChatClient, InferenceError, InferenceRejected
+from inference.transport import dumps
 
 from ..protocol import CutReason, Segment, Turn, TurnSpan
 
 # A tiny conversation whose render shows what the template puts after an assistant's content.
 _PROBE_USER = {"role": "user", "content": "a"}
 _PROBE_REPLY = "b"
+# Openings kept at most: more groups at once than this re-render theirs now and then.
+_MAX_OPENINGS = 8192
+Continuation = Literal["from_samples", "from_reply", "rendered_apart"]
 # Answers that say for good that the server cannot do it (no such route, a template it cannot
 # apply, not implemented); anything else (429, 401, 5xx, no answer) may pass and is asked again.
 _DEFINITIVE = (400, 404, 405, 422, 501)
@@ -44,6 +50,9 @@ class TemplateRenderer:
     end_of_turn: list[int] | None = None
     unsupported: str | None = None  # why token prompts cannot be used, once known
     _probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Per group (its affinity): the messages its last segment opened on and their render, in flight or
+    # done. A group's n attempts mostly open on the same messages, rendered once for all of them.
+    _openings: dict[str, tuple[list[dict], asyncio.Future[list[int]]]] = field(default_factory=dict)
 
     async def supported(self, affinity: str | None = None) -> bool:
         """Whether the server takes token prompts; probes once. Transport failures raise (and are not
@@ -73,12 +82,11 @@ class TemplateRenderer:
             raise
         choice = answer.choices[0]
         if (
-            answer.prompt_token_ids is None  # an echo of another prompt is refused by the client
-            or not choice.completion_token_ids
+            not choice.completion_token_ids
             or choice.logprobs is None
             or len(choice.logprobs) != len(choice.completion_token_ids)
         ):
-            self.unsupported = "its /v1/completions does not return the prompt's ids, the token ids and logprobs"
+            self.unsupported = "its /v1/completions does not return the token ids and logprobs"
             return
         body = whole[len(prompt) :]
         if whole[: len(prompt)] != prompt or body[: len(reply)] != reply or len(body) == len(reply):
@@ -89,6 +97,39 @@ class TemplateRenderer:
             )
             return
         self.end_of_turn = body[len(reply) :]
+
+    async def opening(self, messages: list[dict], affinity: str | None) -> list[int]:
+        """The render of `messages` and the generation prompt that opens a segment, shared with the
+        group's other attempts that open on the same messages; the list is the caller's own."""
+        if affinity is None:
+            return await self.render(messages, True, None)
+        held = self._openings.get(affinity)
+        joined = held is not None and held[0] == messages
+        if held is None or not joined:
+            if held is None and len(self._openings) >= _MAX_OPENINGS:  # groups that never said they ended
+                del self._openings[next(iter(self._openings))]
+            render = asyncio.ensure_future(self.render(messages, True, affinity))
+            render.add_done_callback(partial(self._opened, affinity))
+            held = self._openings[affinity] = (list(messages), render)
+        try:
+            # Shielded: one attempt cancelled must not cancel the render the others wait for.
+            return list(await asyncio.shield(held[1]))
+        except InferenceError:
+            if not joined:
+                raise
+        # The render this attempt joined failed: its own try, as if it had not shared (one failure
+        # is the attempt that asked, not the whole group).
+        return await self.render(messages, True, affinity)
+
+    def _opened(self, affinity: str, render: asyncio.Future[list[int]]) -> None:
+        if render.cancelled() or render.exception() is not None:  # not kept: the next attempt asks again
+            held = self._openings.get(affinity)
+            if held is not None and held[1] is render:
+                del self._openings[affinity]
+
+    def forget(self, affinity: str) -> None:
+        """The group is over: its opening is not kept."""
+        self._openings.pop(affinity, None)
 
     async def render(self, messages: list[dict], add_generation_prompt: bool, affinity: str | None) -> list[int]:
         return await self.client.tokenize(
@@ -104,17 +145,24 @@ class TrajectoryBuilder:
     renderer: TemplateRenderer
     affinity: str | None = None
     segments: list[Segment] = field(default_factory=list)
+    # How the last prompt() found where the env's new messages begin (see _continuation); None: it
+    # began a segment.
+    continued: Continuation | None = None
     # The conversation the open segment's tokens hold: the env's messages and the policy's own replies.
     _covered: list[dict] | None = None
+    # The template's own render of the conversation up to the last prompt (its replies as the template
+    # tokenizes them, not as sampled), as vLLM's JSON array: where the next render is read on from.
+    _rendered: bytes | None = None
     _stopped_on_end_of_turn: bool = False
     _cut_next: tuple[CutReason, str] | None = None
 
     async def prompt(self, messages: list[dict]) -> list[int]:
         cut, self._cut_next = self._cut_next, None
+        self.continued = None
         if self._covered is not None and cut is None:
             cut = _rewritten(self._covered, messages)
             if cut is None:
-                delta = await self._continuation(messages)
+                delta, self._rendered = await self._continuation(messages)
                 if isinstance(delta, tuple):
                     cut = delta
                 else:
@@ -124,7 +172,8 @@ class TrajectoryBuilder:
                     segment.logprobs += [None] * len(delta)
                     self._covered = list(messages)
                     return list(segment.token_ids)
-        ids = await self.renderer.render(messages, True, self.affinity)
+        ids = await self.renderer.opening(messages, self.affinity)
+        self._rendered = dumps(ids)
         self.segments.append(
             Segment.model_construct(  # ids the server's answer had validated; masks built here
                 token_ids=ids,
@@ -138,22 +187,50 @@ class TrajectoryBuilder:
         self._covered = list(messages)
         return list(ids)
 
-    async def _continuation(self, messages: list[dict]) -> list[int] | tuple[CutReason, str]:
+    async def _continuation(self, messages: list[dict]) -> tuple[list[int] | tuple[CutReason, str], bytes | None]:
         """The tokens that follow the last completion: the template's end of turn (less what the model
-        sampled of it), then the render of the new messages and the next generation prompt."""
+        sampled of it), then the render of the new messages and the next generation prompt; and the
+        render of the whole conversation as JSON (the next turn's `_rendered`), where it is known.
+
+        The whole render goes on from the last one (`_rendered`, which ends with the generation
+        prompt) with the last reply as the template tokenizes it, the end of turn, then the new part.
+        The reply's length there is found the cheapest way the render confirms token for token:
+        1. the ids the model sampled (a reply the tokenizer splits as the model did);
+        2. else the reply's text tokenized on its own (a short /tokenize);
+        3. else the conversation so far rendered apart (a /tokenize of the whole length), which also
+           tells a template that renders it differently once more follows (a cut).
+        The first two read the answer's bytes after the last render's (TokenizeAnswer.after): the ids
+        known already are not decoded again. A server that does not write vLLM's compact JSON, or a
+        template whose generation prompt joins the reply's first token, gets the third."""
         assert self._covered is not None and self.renderer.end_of_turn is not None
-        whole, base = await asyncio.gather(
-            self.renderer.render(messages, True, self.affinity),
-            self.renderer.render(self._covered, False, self.affinity),
-        )
         end = self.renderer.end_of_turn
-        if whole[: len(base)] != base or base[len(base) - len(end) :] != end:
-            return (
+        bridge = end[1:] if self._stopped_on_end_of_turn else end
+        sampled = self.segments[-1].turns[-1]
+        answer = await self.renderer.client.tokenize_answer(
+            model=self.renderer.model, messages=messages, add_generation_prompt=True, affinity=self.affinity
+        )
+        rest = answer.after(self._rendered) if self._rendered is not None else None
+        if rest is not None:
+            ids = self.segments[-1].token_ids[sampled.start : sampled.end]
+            if _holds(rest, ids, 0) and _holds(rest, bridge, len(ids)):
+                self.continued = "from_samples"
+                return bridge + rest[len(ids) + len(bridge) :], answer.array
+            reply = await self.renderer.client.tokenize(
+                model=self.renderer.model, text=self._covered[-1]["content"], affinity=self.affinity
+            )
+            if _holds(rest, reply, 0) and _holds(rest, end, len(reply)):
+                self.continued = "from_reply"
+                return bridge + rest[len(reply) + len(end) :], answer.array
+        whole = answer.ids()
+        base = await self.renderer.render(self._covered, False, self.affinity)
+        self.continued = "rendered_apart"
+        if not _holds(whole, base, 0) or base[len(base) - len(end) :] != end:
+            cut: tuple[CutReason, str] = (
                 "template_changed",
                 "the chat template renders the conversation so far differently once the new messages follow it",
             )
-        bridge = end[1:] if self._stopped_on_end_of_turn else end
-        return bridge + whole[len(base) :]
+            return cut, None
+        return bridge + whole[len(base) :], answer.array
 
     def record(self, turn: Turn, stopped_on_string: bool = False) -> None:
         """Append a policy turn's sampled ids (its prompt was the last `prompt()`). A turn ended by a stop
@@ -186,6 +263,11 @@ class TrajectoryBuilder:
         self._covered = [*self._covered, {"role": "assistant", "content": turn.completion}]
         if stopped_on_string:
             self._cut_next = ("stop_string", f"turn {turn.index} ended on a stop string")
+
+
+def _holds(ids: list[int], part: list[int], at: int) -> bool:
+    """Whether `ids` has `part` at `at`."""
+    return ids[at : at + len(part)] == part
 
 
 def _rewritten(covered: list[dict], messages: list[dict]) -> tuple[CutReason, str] | None:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..protocol import GroupRequest, GroupResult, PolicyState, PolicyUpdateResult
 from .client import AsyncRolloutClient, BatchItem, RequestRejected, RolloutError, ServiceUnavailable, _BaseClient
+
+_CLOSE_WAIT_S = 30.0  # how long leaving `ShardedClient.groups` early waits for its streams to close
 
 
 class _TaskMap:
@@ -208,6 +211,7 @@ class ShardedClient:
                 items.put(None)
 
         task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        item: BatchItem | BaseException | None = None
         try:
             while (item := items.get()) is not None:
                 if isinstance(item, BaseException):
@@ -217,10 +221,15 @@ class ShardedClient:
                 yield item
         finally:
             task.cancel()  # an early exit: the streams close now, the services cancel what is left
-            try:
-                task.result(30)
-            except BaseException:  # cancelled, as asked
-                pass
+            # That cancel returns at once and the streams close on the loop after it: the pump's last
+            # word (None) says they have, so nothing of this batch is left pending when the caller goes on
+            # (closing the client then would destroy it mid-close).
+            deadline = time.monotonic() + _CLOSE_WAIT_S
+            while item is not None and (left := deadline - time.monotonic()) > 0:
+                try:
+                    item = items.get(timeout=left)
+                except queue.Empty:
+                    break
 
     def update_policy(self, version: str, *, lora: str | None = None, weights: str | None = None) -> list:
         return self._run(self._async.update_policy(version, lora=lora, weights=weights))
