@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -124,6 +125,8 @@ class ChatResult:
 
 
 _TOKENS_KEY = b'"tokens":['
+_MARK = f"rollout-service:{secrets.token_hex(8)}"  # TokenizeAnswer.array
+_MARK_JSON = f'"{_MARK}"'.encode()
 
 
 @dataclass
@@ -157,15 +160,19 @@ class TokenizeAnswer:
         close = body.find(b"]", start)  # ints only: the first "]" closes the array
         if close < 0:
             return None
-        # The answer with the array taken out must be an object whose "tokens" is where the array was.
-        skeleton = body[:start] + b"0" + body[close + 1 :]
+        # The answer with the array taken out must be an object whose "tokens" is where the array was
+        # (a mark no server writes: not a 0 or a false it may have had under a second "tokens").
+        skeleton = body[:start] + _MARK_JSON + body[close + 1 :]
         try:
             shape = loads(skeleton)
         except ValueError:
             return None
         array = body[start : close + 1]
         length = array.count(b",") + 1 if close > start + 1 else 0
-        if not isinstance(shape, dict) or shape.get("tokens") != 0 or shape.get("count") != length:
+        if not isinstance(shape, dict) or shape.get("tokens") != _MARK:
+            return None
+        count = shape.get("count")
+        if type(count) is not int or count != length:
             return None
         return array
 
@@ -177,12 +184,13 @@ class TokenizeAnswer:
         if array is None or len(known) < 3:  # "[]": nothing known
             return None
         prefix = known[:-1] + b","  # "[1,2,3," : the array up to what follows them
-        if not array.startswith(prefix) or len(array) == len(prefix) + 1:
+        if not array.startswith(prefix):
             return None
         try:
-            return _TOKEN_IDS.validate_python(loads(b"[" + array[len(prefix) :]))
+            rest = _TOKEN_IDS.validate_python(loads(b"[" + array[len(prefix) :]))
         except ValueError:
             return None
+        return rest or None  # "[1,2, ]" is not JSON: nothing can follow a comma
 
 
 @dataclass
@@ -581,7 +589,8 @@ def _ids_of_tokens(tokens: Any) -> list[int]:
     joined = ",".join(tokens)
     if tokens and f",{joined}".count(f",{_TOKEN_ID_PREFIX}") != len(tokens):  # each one begins so
         raise ValueError('logprobs.tokens are not "token_id:<id>" (the server ignored return_tokens_as_token_ids)')
-    ids = _TOKEN_IDS.validate_python(loads(f"[{joined.replace(_TOKEN_ID_PREFIX, '')}]"))
+    # Only the prefix each token begins with goes: one inside a token is left to fail the decode.
+    ids = _TOKEN_IDS.validate_python(loads(f"[{f',{joined}'.replace(f',{_TOKEN_ID_PREFIX}', ',')[1:]}]"))
     if len(ids) != len(tokens):
         raise ValueError("logprobs.tokens are not one id each")
     return ids

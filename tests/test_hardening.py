@@ -153,6 +153,7 @@ def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
         {"tokens": ["token_id:7,8"]},  # one token, two ids
         {"tokens": ["token_id:1token_id:", "2"]},  # ids a decoder of each token would not give
         {"tokens": ["token_id:token_id:7", "8"]},
+        {"tokens": ["token_id:1token_id:2", "token_id:8"]},
         {"tokens": "token_id:7"},
         {"counted": None},  # no count: nothing would say the server generated from the ids sent
         {"finish_reason": 7},  # not text: a bad answer here, not a result the trainer cannot read

@@ -118,8 +118,8 @@ def test_turns_go_on_without_rendering_the_conversation_so_far_where_they_can(ex
     """On the real vLLM: a turn that goes on from its segment finds the env's new messages in the render
     of the whole conversation after the ids sampled, or after its reply's text tokenized alone, where
     that render confirms it; only otherwise is the conversation so far rendered apart. SmolLM2's
-    constrained replies are mostly not tokenized as the tokenizer would (1 of 14 in one run), and
-    about two in three of them are as the reply alone. Oracle for the count: the results' own
+    constrained replies are mostly not sampled as the tokenizer splits them, but the template renders
+    them as their text alone (2026-12-02: 1, 13 and 0 of 14 the three ways). Oracle for the count: the results' own
     segments (a turn in its predecessor's segment went on from it); the test above checks that each
     way gave the exact tokens. Break tried: both cheap ways' comparisons always false -> only
     rendered_apart, fails."""
@@ -316,7 +316,8 @@ def _chars(text: str) -> list[int]:
 def _render(messages: list[dict], generation_prompt: bool, merge: str | None = None) -> list[int]:
     """The template. `merge` "start": an assistant message that begins with "S" has it tokenized with its
     header (as a BPE may join some replies' start with the newline before them); "end": one that ends
-    with "1" has it tokenized with what follows. Either way the reply alone tokenizes otherwise."""
+    with "1" has it tokenized with what follows. Either way the reply alone tokenizes otherwise.
+    "changed": a conversation that ends with a reply gets a token more (a template_changed cut)."""
     out: list[int] = []
     for m in messages:
         content = _chars(m["content"])
@@ -327,6 +328,8 @@ def _render(messages: list[dict], generation_prompt: bool, merge: str | None = N
         else:
             out += [START, ROLES[m["role"]], *content]
         out += [END, NL]
+    if merge == "changed" and not generation_prompt and messages[-1]["role"] == "assistant":
+        out.append(77)  # the last reply rendered otherwise than where more follows it
     return out + ([START, ASSISTANT] if generation_prompt else [])
 
 
@@ -439,6 +442,37 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
     assert server.texts == [reply] * (3 * texts_per_turn)
 
 
+def test_a_template_that_renders_the_conversation_so_far_otherwise_cuts_and_is_no_continuation():
+    """The third way is the one that sees a template render the conversation so far otherwise once more
+    follows it: the turn begins a segment, cut as template_changed, and is not counted as a turn that
+    went on. Break tried: `continued` set before the cut -> "rendered_apart", fails."""
+    import asyncio
+
+    from inference.client import ChatClient
+    from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
+
+    server = _TemplateServer("changed")
+    opening = [{"role": "user", "content": "task"}]
+    conversation = [*opening, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "ok"}]
+
+    async def go() -> tuple[TrajectoryBuilder, list[int]]:
+        client = ChatClient(["http://model"], transport=httpx.MockTransport(server.handle))
+        try:
+            renderer = TemplateRenderer(client, "m")
+            assert await renderer.supported("g")
+            builder = TrajectoryBuilder(renderer, "g")
+            await builder.prompt(opening)
+            builder.record(_reply_turn(0, "hi", _chars("hi")))
+            return builder, await builder.prompt(conversation)
+        finally:
+            await client.aclose()
+
+    builder, ids = asyncio.run(go())
+    assert ids == _render(conversation, True, "changed")
+    assert builder.continued is None
+    assert [s.cut for s in builder.segments] == [None, "template_changed"]
+
+
 def test_a_failed_opening_render_fails_only_the_attempt_that_asked():
     """A group's shared opening render that failed is not handed to the attempts that joined it (each
     asks once itself) nor kept for the next attempt. Breaks tried: the joiners given the failure -> 3
@@ -504,5 +538,25 @@ def test_the_ids_after_known_ones_are_read_from_the_answers_bytes_only_where_the
         b'[{"count":3,"tokens":[1,2,3]}]',
         b'{"count":3,"tokens":[1,2,3]}garbage',
         b'{"tokens":[1,2,3]}',  # no count: not vLLM's shape
+        b'{"count":3,"tokens":[1,2, ]}',
+        b'{"tokens":[1,2,3,4],"tokens":0,"count":4}',  # the top-level "tokens" is no list
+        b'{"x":{"tokens":[1,2,3,4]},"tokens":false,"count":4}',
+        b'{"a\\"tokens":[1,2,3,4],"count":4,"tokens":0}',
     ):
         assert TokenizeAnswer(body).after(known([1, 2])) is None, body
+
+
+def test_a_reply_alone_is_not_tokenized_while_that_seldom_helps():
+    """The second way costs a request: after it failed ten turns running it is asked once in 16 turns,
+    and once it holds again (a template or model that changed) it is asked every turn. Break tried:
+    always worth asking -> 32 asks of 32, fails."""
+    from rollout_service.server.trajectory import _Odds
+
+    odds = _Odds()
+    for _ in range(10):
+        assert odds.worth_asking()
+        odds.saw(False)
+    assert sum(odds.worth_asking() for _ in range(32)) == 2
+    for _ in range(3):
+        odds.saw(True)
+    assert all(odds.worth_asking() for _ in range(32))

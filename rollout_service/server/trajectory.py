@@ -22,6 +22,7 @@ from ..protocol import CutReason, Segment, Turn, TurnSpan
 # A tiny conversation whose render shows what the template puts after an assistant's content.
 _PROBE_USER = {"role": "user", "content": "a"}
 _PROBE_REPLY = "b"
+_DECAY = 0.97  # _Odds: a try weighs about as much as the ~30 before it in all
 # Openings kept at most: more groups at once than this re-render theirs now and then.
 _MAX_OPENINGS = 8192
 Continuation = Literal["from_samples", "from_reply", "rendered_apart"]
@@ -38,6 +39,26 @@ class TokenPromptsUnsupported(InferenceRejected):
 
 
 @dataclass
+class _Odds:
+    """Whether a guess that costs a request is worth asking: while it held in at least one try in
+    four lately (a decaying count), and, when it did not, again once in 16 turns to see a change."""
+
+    tries: float = 0.0
+    held: float = 0.0
+    skipped: int = 0
+
+    def worth_asking(self) -> bool:
+        if self.tries < 8 or self.held * 4 >= self.tries:
+            return True
+        self.skipped += 1
+        return self.skipped % 16 == 0
+
+    def saw(self, held: bool) -> None:
+        self.tries = self.tries * _DECAY + 1
+        self.held = self.held * _DECAY + held
+
+
+@dataclass
 class TemplateRenderer:
     """Renders conversations to token ids with a model server's own chat template (/tokenize).
 
@@ -50,6 +71,8 @@ class TemplateRenderer:
     end_of_turn: list[int] | None = None
     unsupported: str | None = None  # why token prompts cannot be used, once known
     _probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # How often a reply tokenized alone is what the template makes of it in place (_continuation's 2).
+    replies_alone: _Odds = field(default_factory=_Odds)
     # Per group (its affinity): the messages its last segment opened on and their render, in flight or
     # done. A group's n attempts mostly open on the same messages, rendered once for all of them.
     _openings: dict[str, tuple[list[dict], asyncio.Future[list[int]]]] = field(default_factory=dict)
@@ -196,7 +219,8 @@ class TrajectoryBuilder:
         prompt) with the last reply as the template tokenizes it, the end of turn, then the new part.
         The reply's length there is found the cheapest way the render confirms token for token:
         1. the ids the model sampled (a reply the tokenizer splits as the model did);
-        2. else the reply's text tokenized on its own (a short /tokenize);
+        2. else the reply's text tokenized on its own (a short /tokenize; not asked while it seldom
+           holds for this template and model: `_Odds`);
         3. else the conversation so far rendered apart (a /tokenize of the whole length), which also
            tells a template that renders it differently once more follows (a cut).
         The first two read the answer's bytes after the last render's (TokenizeAnswer.after): the ids
@@ -215,21 +239,24 @@ class TrajectoryBuilder:
             if _holds(rest, ids, 0) and _holds(rest, bridge, len(ids)):
                 self.continued = "from_samples"
                 return bridge + rest[len(ids) + len(bridge) :], answer.array
-            reply = await self.renderer.client.tokenize(
-                model=self.renderer.model, text=self._covered[-1]["content"], affinity=self.affinity
-            )
-            if _holds(rest, reply, 0) and _holds(rest, end, len(reply)):
-                self.continued = "from_reply"
-                return bridge + rest[len(reply) + len(end) :], answer.array
+            if self.renderer.replies_alone.worth_asking():
+                reply = await self.renderer.client.tokenize(
+                    model=self.renderer.model, text=self._covered[-1]["content"], affinity=self.affinity
+                )
+                held = _holds(rest, reply, 0) and _holds(rest, end, len(reply))
+                self.renderer.replies_alone.saw(held)
+                if held:
+                    self.continued = "from_reply"
+                    return bridge + rest[len(reply) + len(end) :], answer.array
         whole = answer.ids()
         base = await self.renderer.render(self._covered, False, self.affinity)
-        self.continued = "rendered_apart"
         if not _holds(whole, base, 0) or base[len(base) - len(end) :] != end:
             cut: tuple[CutReason, str] = (
                 "template_changed",
                 "the chat template renders the conversation so far differently once the new messages follow it",
             )
             return cut, None
+        self.continued = "rendered_apart"
         return bridge + whole[len(base) :], answer.array
 
     def record(self, turn: Turn, stopped_on_string: bool = False) -> None:

@@ -224,7 +224,10 @@ class ShardedClient:
             # That cancel returns at once and the streams close on the loop after it: the pump's last
             # word (None) says they have, so nothing of this batch is left pending when the caller goes on
             # (closing the client then would destroy it mid-close).
-            deadline = time.monotonic() + _CLOSE_WAIT_S
+            # Not on the loop's own thread (a generator closed there, or collected), nor on a stopped loop:
+            # the pump could not run while this waits.
+            here = threading.current_thread() is self._thread or not self._loop.is_running()
+            deadline = time.monotonic() + (0 if here else _CLOSE_WAIT_S)
             while item is not None and (left := deadline - time.monotonic()) > 0:
                 try:
                     item = items.get(timeout=left)
