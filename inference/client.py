@@ -447,24 +447,10 @@ class ChatClient:
         text: str | None = None,
         add_generation_prompt: bool = True,
         affinity: str | None = None,
-    ) -> list[int]:
-        """Token ids of `messages` as the server's chat template renders them (vLLM's /tokenize), or of
-        plain `text` without special tokens. A server without /tokenize answers InferenceRejected(404)."""
-        answer = await self.tokenize_answer(
-            model=model, messages=messages, text=text, add_generation_prompt=add_generation_prompt, affinity=affinity
-        )
-        return answer.ids()
-
-    async def tokenize_answer(
-        self,
-        *,
-        model: str,
-        messages: list[dict] | None = None,
-        text: str | None = None,
-        add_generation_prompt: bool = True,
-        affinity: str | None = None,
     ) -> TokenizeAnswer:
-        """`tokenize`'s answer, unread: its ids in whole, or only those after ids the caller knows."""
+        """`messages` as the server's chat template renders them (vLLM's /tokenize), or plain `text`
+        without special tokens: the answer, unread (its ids in whole, or only those after ids the
+        caller knows). A server without /tokenize answers InferenceRejected(404)."""
         body: dict[str, Any] = {"model": model}
         if messages is not None:
             body.update(messages=messages, add_generation_prompt=add_generation_prompt)

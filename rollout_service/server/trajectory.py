@@ -92,7 +92,7 @@ class TemplateRenderer:
             prompt, whole, reply = await asyncio.gather(
                 self.render([_PROBE_USER], True, affinity),
                 self.render([_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}], False, affinity),
-                self.client.tokenize(model=self.model, text=_PROBE_REPLY, affinity=affinity),
+                self.tokens_of(_PROBE_REPLY, affinity),
             )
             # The completions route must take the ids and give back ids and logprobs.
             answer = await self.client.complete(
@@ -155,9 +155,14 @@ class TemplateRenderer:
         self._openings.pop(affinity, None)
 
     async def render(self, messages: list[dict], add_generation_prompt: bool, affinity: str | None) -> list[int]:
-        return await self.client.tokenize(
+        answer = await self.client.tokenize(
             model=self.model, messages=messages, add_generation_prompt=add_generation_prompt, affinity=affinity
         )
+        return answer.ids()
+
+    async def tokens_of(self, text: str, affinity: str | None) -> list[int]:
+        """`text` alone, as the tokenizer splits it (no template, no special tokens added)."""
+        return (await self.client.tokenize(model=self.model, text=text, affinity=affinity)).ids()
 
 
 @dataclass
@@ -230,19 +235,20 @@ class TrajectoryBuilder:
         end = self.renderer.end_of_turn
         bridge = end[1:] if self._stopped_on_end_of_turn else end
         sampled = self.segments[-1].turns[-1]
-        answer = await self.renderer.client.tokenize_answer(
+        answer = await self.renderer.client.tokenize(
             model=self.renderer.model, messages=messages, add_generation_prompt=True, affinity=self.affinity
         )
-        rest = answer.after(self._rendered) if self._rendered is not None else None
-        if rest is not None:
-            ids = self.segments[-1].token_ids[sampled.start : sampled.end]
-            if _holds(rest, ids, 0) and _holds(rest, bridge, len(ids)):
+        if self._rendered is not None:
+            # Compared as bytes too: only the env's new part is decoded.
+            reply_ids = self.segments[-1].token_ids[sampled.start : sampled.end] + bridge
+            known = self._rendered[:-1] + b"," + dumps(reply_ids)[1:] if reply_ids else self._rendered
+            new = answer.after(known)
+            if new is not None:
                 self.continued = "from_samples"
-                return bridge + rest[len(ids) + len(bridge) :], answer.array
-            if self.renderer.replies_alone.worth_asking():
-                reply = await self.renderer.client.tokenize(
-                    model=self.renderer.model, text=self._covered[-1]["content"], affinity=self.affinity
-                )
+                return bridge + new, answer.array
+            rest = answer.after(self._rendered) if self.renderer.replies_alone.worth_asking() else None
+            if rest is not None:
+                reply = await self.renderer.tokens_of(self._covered[-1]["content"], self.affinity)
                 held = _holds(rest, reply, 0) and _holds(rest, end, len(reply))
                 self.renderer.replies_alone.saw(held)
                 if held:
