@@ -2,9 +2,11 @@
 
 Two ways to ask for a completion: `chat` sends messages (the server renders and tokenizes them),
 `complete` sends the prompt as token ids (vLLM's /v1/completions), with `tokenize` to render
-messages through the server's own chat template. With vLLM both return the exact prompt and
-completion token ids and one logprob per completion token; a server that does not return them
-(another OpenAI-compatible server) yields `None` there.
+messages through the server's own chat template. With vLLM both return the exact completion token
+ids and one logprob per completion token, and the prompt's ids: the server's render of the messages
+(`chat`; a server that does not return ids, another OpenAI-compatible one, yields `None` there), or
+the ids sent, once the server's count of them agrees (`complete`, which refuses an answer whose
+count differs or whose tokens are not ids).
 """
 
 from __future__ import annotations

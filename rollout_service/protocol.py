@@ -162,7 +162,8 @@ class Turn(BaseModel):
     messages: list[dict[str, Any]]
     response_format: Any = None
     completion: str
-    # Exactly what the model server produced; None where it did not return them.
+    # Exactly what the model server generated from and produced (in exact mode the prompt ids are the
+    # ids sent, which the server's count agreed with); None where it did not return them.
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
     logprobs: list[float] | None = None

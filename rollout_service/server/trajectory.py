@@ -2,9 +2,11 @@
 
 Sent as messages, every turn would have the server render the whole conversation again and
 tokenize the earlier completions from their text, which need not give back the tokens the model
-sampled. Here the first prompt is rendered once, each completion's own ids are appended, and of
-what the env adds later only the new part is rendered: the chat template's render of the whole
-conversation minus its render of the conversation so far, which is the same for both.
+sampled. Here the first prompt is rendered once (once for a group's attempts that open on the same
+messages), each completion's own ids are appended, and of what the env adds later only the new
+part is taken: the chat template's render of the whole conversation, read on from its previous
+render past the last reply as the template tokenized it (TrajectoryBuilder._continuation says the
+three ways that is found), which is the same for both.
 """
 
 from __future__ import annotations
