@@ -179,7 +179,7 @@ class TokenizeAnswer:
         return array
 
     def after(self, known: bytes) -> list[int] | None:
-        """The ids after those of `known` (a JSON array as `array()` gives) when this answer's begin with
+        """The ids after those of `known` (a JSON array as `array` gives) when this answer's begin with
         them and at least one follows; None where the bytes cannot say so for sure (other ids, another
         shape): `ids()` then reads it in whole."""
         array = self.array

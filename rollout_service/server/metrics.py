@@ -62,7 +62,7 @@ class Metrics:
         self._prompt_tokens.inc(prompt_tokens)
         self._completion_tokens.inc(completion_tokens)
 
-    def continued(self, how: str) -> None:
+    def continued(self, how: Continuation) -> None:
         self._continued[how].inc()
 
     def policy_update(self, kind: str, seconds: float) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
-from inference.client import BadInferenceResponse, ChatClient, InferenceError, InferenceRejected
+from inference.client import BadInferenceResponse, ChatClient, InferenceError, InferenceRejected, TokenizeAnswer
 from inference.transport import dumps
 
 from ..protocol import CutReason, Segment, Turn, TurnSpan
@@ -28,6 +28,8 @@ _DECAY = 0.97  # _Odds: a try weighs about as much as the ~30 before it in all
 # Openings kept at most: more groups at once than this re-render theirs now and then.
 _MAX_OPENINGS = 8192
 Continuation = Literal["from_samples", "from_reply", "rendered_apart"]
+# A segment's opening render: its ids, and the same as vLLM's JSON array where the answer had its shape.
+Opening = tuple[list[int], bytes | None]
 # Answers that say for good that the server cannot do it (no such route, a template it cannot
 # apply, not implemented); anything else (429, 401, 5xx, no answer) may pass and is asked again.
 _DEFINITIVE = (400, 404, 405, 422, 501)
@@ -77,7 +79,7 @@ class TemplateRenderer:
     replies_alone: _Odds = field(default_factory=_Odds)
     # Per group (its affinity): the messages its last segment opened on and their render, in flight or
     # done. A group's n attempts mostly open on the same messages, rendered once for all of them.
-    _openings: dict[str, tuple[list[dict], asyncio.Future[list[int]]]] = field(default_factory=dict)
+    _openings: dict[str, tuple[list[dict], asyncio.Future[Opening]]] = field(default_factory=dict)
 
     async def supported(self, affinity: str | None = None) -> bool:
         """Whether the server takes token prompts; probes once. Transport failures raise (and are not
@@ -123,30 +125,35 @@ class TemplateRenderer:
             return
         self.end_of_turn = body[len(reply) :]
 
-    async def opening(self, messages: list[dict], affinity: str | None) -> list[int]:
+    async def opening(self, messages: list[dict], affinity: str | None) -> Opening:
         """The render of `messages` and the generation prompt that opens a segment, shared with the
         group's other attempts that open on the same messages; the list is the caller's own."""
         if affinity is None:
-            return await self.render(messages, True, None)
+            return await self._open(messages, None)
         held = self._openings.get(affinity)
         joined = held is not None and held[0] == messages
         if held is None or not joined:
             if held is None and len(self._openings) >= _MAX_OPENINGS:  # groups that never said they ended
                 del self._openings[next(iter(self._openings))]
-            render = asyncio.ensure_future(self.render(messages, True, affinity))
+            render = asyncio.ensure_future(self._open(messages, affinity))
             render.add_done_callback(partial(self._opened, affinity))
             held = self._openings[affinity] = (list(messages), render)
         try:
             # Shielded: one attempt cancelled must not cancel the render the others wait for.
-            return list(await asyncio.shield(held[1]))
+            ids, array = await asyncio.shield(held[1])
+            return list(ids), array
         except InferenceError:
             if not joined:
                 raise
         # The render this attempt joined failed: its own try, as if it had not shared (one failure
         # is the attempt that asked, not the whole group).
-        return await self.render(messages, True, affinity)
+        return await self._open(messages, affinity)
 
-    def _opened(self, affinity: str, render: asyncio.Future[list[int]]) -> None:
+    async def _open(self, messages: list[dict], affinity: str | None) -> Opening:
+        answer = await self.answer(messages, True, affinity)
+        return answer.ids(), answer.array
+
+    def _opened(self, affinity: str, render: asyncio.Future[Opening]) -> None:
         if render.cancelled() or render.exception() is not None:  # not kept: the next attempt asks again
             held = self._openings.get(affinity)
             if held is not None and held[1] is render:
@@ -157,10 +164,13 @@ class TemplateRenderer:
         self._openings.pop(affinity, None)
 
     async def render(self, messages: list[dict], add_generation_prompt: bool, affinity: str | None) -> list[int]:
-        answer = await self.client.tokenize(
+        return (await self.answer(messages, add_generation_prompt, affinity)).ids()
+
+    async def answer(self, messages: list[dict], add_generation_prompt: bool, affinity: str | None) -> TokenizeAnswer:
+        """`render`'s /tokenize answer, unread."""
+        return await self.client.tokenize(
             model=self.model, messages=messages, add_generation_prompt=add_generation_prompt, affinity=affinity
         )
-        return answer.ids()
 
     async def tokens_of(self, text: str, affinity: str | None) -> list[int]:
         """`text` alone, as the tokenizer splits it (no template, no special tokens added)."""
@@ -202,8 +212,7 @@ class TrajectoryBuilder:
                     segment.logprobs += [None] * len(delta)
                     self._covered = list(messages)
                     return list(segment.token_ids)
-        ids = await self.renderer.opening(messages, self.affinity)
-        self._rendered = dumps(ids)
+        ids, self._rendered = await self.renderer.opening(messages, self.affinity)
         self.segments.append(
             Segment.model_construct(  # ids the server's answer had validated; masks built here
                 token_ids=ids,
@@ -237,9 +246,7 @@ class TrajectoryBuilder:
         end = self.renderer.end_of_turn
         bridge = end[1:] if self._stopped_on_end_of_turn else end
         sampled = self.segments[-1].turns[-1]
-        answer = await self.renderer.client.tokenize(
-            model=self.renderer.model, messages=messages, add_generation_prompt=True, affinity=self.affinity
-        )
+        answer = await self.renderer.answer(messages, True, self.affinity)
         if self._rendered is not None:
             # Compared as bytes too: only the env's new part is decoded.
             reply_ids = self.segments[-1].token_ids[sampled.start : sampled.end] + bridge
