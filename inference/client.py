@@ -86,23 +86,6 @@ class BadInferenceResponse(InferenceError):
     kind = "bad_response"
 
 
-def clean_text(value: Any) -> Any:
-    """`value` with every string made encodable: a lone UTF-16 surrogate (legal in JSON escapes,
-    illegal in UTF-8) becomes U+FFFD, in nested lists and dicts too. Text that came in this way
-    would otherwise fail the next request, or the serialisation of a whole group, later."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return value
-        except UnicodeEncodeError:
-            return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    if isinstance(value, list):
-        return [clean_text(v) for v in value]
-    if isinstance(value, dict):
-        return {clean_text(k): clean_text(v) for k, v in value.items()}
-    return value
-
-
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|context length|context window|too many tokens", re.I)
 
 
@@ -610,7 +593,6 @@ def _parse(data: dict, endpoint: str, model: str, latency: float, sent_prompt: l
         text = text or ""
         if not isinstance(text, str):
             raise ValueError("message.content is not text")
-        text = clean_text(text)
         if not isinstance(raw.get("finish_reason"), str | None):
             raise ValueError("finish_reason is not text")
         # Without ids (a non-vLLM server), the server's own count is what the env must be told.

@@ -1,7 +1,7 @@
 """A bare HTTP/1.1 client for the hot path: kept-alive connections on asyncio protocols, answers
 parsed by httptools (the C parser uvicorn serves with).
 
-An exact turn is four requests (two /tokenize, the completion, the env's step), so what one costs
+An exact turn is three requests (a /tokenize, the completion, the env's step), so what one costs
 the service's CPU bounds the turns/s one process drives. Against bench/standins.py's model server,
 64 requests at once, aiohttp spent ~0.08 ms of CPU a request and this ~0.03 (2026-12-02).
 
@@ -42,6 +42,10 @@ MAX_IDLE_S = 2.0
 # The request target as sent: RFC 3986 characters and well-formed escapes; anything else is escaped
 # by aiohttp.
 _PLAIN_TARGET = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})*")
+# How often the requests in flight are checked against their deadlines: a deadline holds to within
+# this. One timer per request (asyncio.timeout) cost ~2% of the service's CPU at bench/ceiling.py's
+# ceiling; this check costs a pass over the open connections 20 times a second while any request waits.
+SWEEP_S = 0.05
 # Headers this client writes itself: a caller's own goes through aiohttp.
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
@@ -65,6 +69,7 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[HttpAnswer] | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.expires = 0.0  # the loop's time by which the current request's answer must be whole
         self.answered = False  # any byte of an answer to the current request
         self._reset()
 
@@ -77,15 +82,16 @@ class _Connection(asyncio.Protocol):
 
     # -- the request ---------------------------------------------------------------------------
 
-    async def exchange(self, request: bytes) -> HttpAnswer:
+    async def exchange(self, request: bytes, expires: float) -> HttpAnswer:
         assert self.transport is not None and self.waiter is None
         self.waiter = asyncio.get_running_loop().create_future()
+        self.expires = expires
         self.answered = False
         self.transport.write(request)
         try:
             answer = await self.waiter
         except BaseException:
-            # Cancelled or timed out mid-answer: the rest of it could be read as the next request's.
+            # Cancelled or out of time mid-answer: the rest of it could be read as the next request's.
             self.abort()
             raise
         if not self.closed:
@@ -174,6 +180,14 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(answer)
 
+    def expire(self, now: float) -> bool:
+        """Fail the request in flight if its deadline has passed; whether one is still in flight."""
+        if self.waiter is None:
+            return False
+        if now >= self.expires:
+            self._fail(TransportTimeout("no answer in time"))
+        return True
+
     def _fail(self, exc: Exception) -> None:
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
@@ -192,6 +206,7 @@ class Http11Transport(HttpTransport):
         self._live: set[_Connection] = set()
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # connections belong to the loop that made them
+        self._sweeper: asyncio.Task | None = None  # fails requests past their deadline (SWEEP_S)
 
     async def _send(
         self, method: str, url: str, body: bytes | None, headers: dict[str, str], deadline_s: float | None
@@ -210,11 +225,7 @@ class Http11Transport(HttpTransport):
         deadline = self._timeout_s if deadline_s is None else deadline_s
         if deadline <= 0:
             raise TransportTimeout("no time left for the request")
-        try:
-            async with asyncio.timeout(deadline):
-                return await self._exchange(server, data, method in _IDEMPOTENT)
-        except TimeoutError:
-            raise TransportTimeout("no answer in time") from None
+        return await self._exchange(server, data, method in _IDEMPOTENT, loop.time() + deadline)
 
     def _request(
         self, method: str, url: str, body: bytes | None, headers: dict[str, str]
@@ -243,18 +254,38 @@ class Http11Transport(HttpTransport):
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
         return (host, 80 if port is None else port), head + body if body else head
 
-    async def _exchange(self, server: tuple[str, int], request: bytes, idempotent: bool) -> HttpAnswer:
+    async def _exchange(self, server: tuple[str, int], request: bytes, idempotent: bool, expires: float) -> HttpAnswer:
         idle = self._idle.setdefault(server, {})
-        connection = self._kept(idle) or await self._connect(server, idle)
+        connection = self._kept(idle) or await self._connect(server, idle, expires)
         reused = connection.idle_since > 0
         try:
-            return await connection.exchange(request)
+            self._watch()
+            return await connection.exchange(request, expires)
         except _Dropped as exc:
             if not (reused and idempotent) or exc.answered or self._closed:
                 raise
         # A kept-alive connection that ended with no byte of an answer: the server most likely closed
         # it (its idle timeout) as the request went out. Idempotent, so sent once more, on a new one.
-        return await (await self._connect(server, idle)).exchange(request)
+        connection = await self._connect(server, idle, expires)
+        self._watch()
+        return await connection.exchange(request, expires)
+
+    def _watch(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            waiting = True
+            while waiting:  # until a pass finds no request in flight (the next one starts another)
+                await asyncio.sleep(SWEEP_S)
+                now = loop.time()
+                waiting = False
+                for connection in list(self._live):  # a copy: a failed request's connection leaves the set
+                    waiting = connection.expire(now) or waiting
+        finally:
+            self._sweeper = None
 
     @staticmethod
     def _kept(idle: dict[_Connection, None]) -> _Connection | None:
@@ -268,12 +299,15 @@ class Http11Transport(HttpTransport):
             connection.abort()
         return None
 
-    async def _connect(self, server: tuple[str, int], idle: dict[_Connection, None]) -> _Connection:
+    async def _connect(self, server: tuple[str, int], idle: dict[_Connection, None], expires: float) -> _Connection:
         loop = asyncio.get_running_loop()
+        left = expires - loop.time()
         try:
-            async with asyncio.timeout(self._connect_timeout_s):
+            async with asyncio.timeout(min(self._connect_timeout_s, left)):
                 _, connection = await loop.create_connection(lambda: _Connection(idle, self._live), *server)
         except TimeoutError:
+            if left <= self._connect_timeout_s:
+                raise TransportTimeout("no answer in time") from None
             raise TransportTimeout(f"no connection to {server[0]}:{server[1]} in time") from None
         except (OSError, ValueError) as exc:  # refused, no such host (ValueError: a name that cannot be one)
             raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
@@ -286,6 +320,8 @@ class Http11Transport(HttpTransport):
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for connection in list(self._live):
             connection.abort()  # a request still waiting gets TransportError
         self._idle.clear()

@@ -16,10 +16,11 @@ authenticates with the headers its config names, and one env's cookies are not a
 
 Bodies are JSON. orjson encodes; a body it refuses (a lone UTF-16 surrogate in a string) is encoded
 by the standard library instead, escaped as JSON allows. Answers are decoded by orjson, or by the
-standard library where orjson refuses them (a surrogate escape), so callers see what `json` would
-give them. Two differences from `json` remain, neither reachable with token ids and the models'
+standard library where orjson refuses them (a surrogate escape), so `loads` gives what `json`
+would; an answer's `json()` also makes such text encodable (`clean_text`), as what orjson reads
+always is. Two differences from `json` remain, neither reachable with token ids and the models'
 bounded sampling parameters: orjson writes NaN and infinities as null, and reads integers over
-64 bits as floats.
+64 bits as floats. A JsonList in a body is sent as the JSON it kept (see there).
 """
 
 from __future__ import annotations
@@ -51,11 +52,96 @@ class ConnectRefused(TransportError):
     """No server is listening (or the connection could not be made at all)."""
 
 
+class JsonList(list):
+    """A list that keeps its own JSON as it grows: an exact attempt's prompt is thousands of ids, sent
+    once a turn and written again in each turn's record, and serialising them again each time took
+    ~9% of the service's CPU at bench/ceiling.py's ceiling. Appended to with `grow` and `repeat`
+    (which write the new items' JSON once); copies share what was written.
+
+    The JSON is that of the list's first items (as many as when it was written): a list changed with
+    list methods since is written as a plain list again (`dumps` checks the length), and one changed
+    in place must not be written at all. Anything that reads a list can read one."""
+
+    __slots__ = ("_body", "_upto", "_count")
+
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__(items)
+        self._body = bytearray(orjson.dumps(self)[1:-1])  # items and their commas; only ever appended to
+        self._upto = len(self._body)
+        self._count = len(self)
+
+    def grow(self, items: list) -> None:
+        self._written(orjson.dumps(items)[1:-1] if items else b"", items)
+
+    def repeat(self, item: int | None, times: int) -> None:
+        """`times` more of `item` (0, 1 or None)."""
+        self._written(((orjson.dumps(item) + b",") * times)[:-1], [item] * times)
+
+    def snapshot(self) -> JsonList:
+        """A copy of the list as it is now, sharing the JSON (later growth of this list is not in it)."""
+        copy = JsonList.__new__(JsonList)
+        list.__init__(copy, self)
+        copy._body, copy._upto, copy._count = self._body, self._upto, self._count
+        return copy
+
+    def json(self) -> orjson.Fragment | None:
+        """The list's JSON for orjson to copy as it is; None when the list has changed since."""
+        if len(self) != self._count:
+            return None
+        return orjson.Fragment(b"".join((b"[", self._body[: self._upto], b"]")))
+
+    def _written(self, part: bytes, items: list) -> None:
+        if self._upto != len(self._body) or len(self) != self._count:
+            # A snapshot's body is shared with the list it came from, or the list was changed:
+            # from here on it writes a body of its own.
+            self._body = bytearray(orjson.dumps(list(self))[1:-1])
+            self._upto = len(self._body)
+        if part:
+            if self._upto:
+                self._body += b","
+            self._body += part
+            self._upto = len(self._body)
+        self.extend(items)
+        self._count = len(self)
+
+
+def plain_json(value: Any) -> Any:
+    """orjson's `default` with OPT_PASSTHROUGH_SUBCLASS: a JsonList's own JSON; other subclasses of
+    what JSON knows as what they are JSON of."""
+    if isinstance(value, JsonList):
+        written = value.json()
+        return written if written is not None else list(value)
+    if isinstance(value, str):
+        return str.__str__(value)  # a str enum's value, not its name
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, list | dict):
+        return list(value) if isinstance(value, list) else dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
 def dumps(value: Any) -> bytes:
     try:
-        return orjson.dumps(value)
+        return orjson.dumps(value, default=plain_json, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
     except TypeError:  # a lone surrogate (orjson refuses it), or a type only `json` knows
         return std_json.dumps(value).encode()
+
+
+def clean_text(value: Any) -> Any:
+    """`value` with every string made encodable: a lone UTF-16 surrogate (legal in JSON escapes,
+    illegal in UTF-8) becomes U+FFFD, in nested lists and dicts too. Text that came in this way
+    would otherwise fail the next request, or the serialisation of a whole group, later."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [clean_text(v) for v in value]
+    if isinstance(value, dict):
+        return {clean_text(k): clean_text(v) for k, v in value.items()}
+    return value
 
 
 def loads(body: bytes | str) -> Any:
@@ -72,8 +158,11 @@ class HttpAnswer:
     body: bytes
 
     def json(self) -> Any:
-        """The body as JSON; ValueError when it is not JSON."""
-        return loads(self.body)
+        """The body as JSON, every string encodable (`clean_text`); ValueError when it is not JSON."""
+        try:
+            return orjson.loads(self.body)  # refuses what clean_text would change
+        except orjson.JSONDecodeError:
+            return clean_text(std_json.loads(self.body))
 
     @property
     def text(self) -> str:

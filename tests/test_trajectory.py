@@ -12,13 +12,18 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import tempfile
 from functools import cache
+from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 import pytest
 from helpers import assert_accounted
 
 from inference import embedded_model
+from inference.transport import dumps
 from rollout_service.protocol import Attempt, GroupResult
 from rollout_service.server.result_json import group_json
 from rollout_service.trainer import token_batch, trl_rollout
@@ -41,7 +46,7 @@ def run_groups(service: str, groups: list[dict]) -> list[dict]:
     return results
 
 
-_RUN: dict[str, tuple[list[dict], list[dict]]] = {}
+_RUN: dict[str, Any] = {}
 _CONTINUED: dict[str, float] = {}  # the service's rollout_exact_continuations_total after the run, by how
 
 
@@ -62,7 +67,9 @@ def _exact_run(start_refenv, start_service, vllm_url: str) -> tuple[list[dict], 
     reset = httpx.post(f"{vllm_url}/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=60)
     assert reset.json()["success"] is True
     env = start_refenv("--pool", "6", "--responder")
-    service = start_service([env.url])
+    # The run log holds the service's own bytes for each group (test_results_are_the_json_pydantic_would_write).
+    _RUN["log"] = Path(tempfile.mkdtemp(prefix="exact-run-"))
+    service = start_service([env.url], "--runs-dir", str(_RUN["log"]))
     tasks = [t["task_id"] for t in httpx.get(f"{env.url}/tasks", timeout=10).json()["tasks"]]
     sampling = {"temperature": 1.0, "max_tokens": 64, "seed": 11}
     constrained = run_groups(
@@ -231,17 +238,23 @@ def test_results_are_the_json_pydantic_would_write(exact_run):
     oracle: each result, read back and written by pydantic, is the same JSON byte for byte (the same
     keys, aliases such as `pass`, numbers written alike). What orjson cannot write goes through pydantic. Breaks
     tried: field names instead of aliases -> `pass_` found, fails; no fallback -> TypeError on the
-    seed below."""
+    seed below; a JsonList's JSON with a space after each comma -> the run log's lines differ, fails."""
     groups = exact_run[0] + exact_run[1]
     assert any(a["pass"] is not None for g in groups for a in g["attempts"])  # `pass` is aliased
+    # The service's own bytes (prompts and trajectories written as they grew: transport.JsonList).
+    (log,) = _RUN["log"].glob("*.jsonl")
+    written = log.read_bytes().splitlines()
+    assert len(written) == len(groups)
+    for line in written:
+        assert line == GroupResult.model_validate_json(line).model_dump_json(by_alias=True).encode()
     for group in groups:
         result = GroupResult.model_validate(group)
         # Byte for byte (parsed JSON would take true for 1 and 0 for 0.0), and the service's own JSON.
-        assert group_json(result) == result.model_dump_json(by_alias=True)
+        assert group_json(result) == result.model_dump_json(by_alias=True).encode()
         assert json.loads(group_json(result)) == group
     result = GroupResult.model_validate(groups[0])
     result.sampling["seed"] = 2**70  # past orjson's 64-bit integers
-    assert group_json(result) == result.model_dump_json(by_alias=True)
+    assert group_json(result) == result.model_dump_json(by_alias=True).encode()
     assert json.loads(group_json(result))["sampling"]["seed"] == 2**70
 
 
@@ -428,6 +441,10 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
                 b.record(_reply_turn(1, second_reply, _chars(second_reply)))
             prompts.append([await b.prompt(longer) for b in builders])
             continued.append([b.continued for b in builders])
+            # What is sent and written is each list's own JSON, kept as it grew (transport.JsonList).
+            written = [p for turn in prompts for p in turn]
+            written += [arr for b in builders for s in b.segments for arr in (s.token_ids, s.loss_mask, s.logprobs)]
+            assert all(dumps(arr) == orjson.dumps(list(arr)) for arr in written)
             return prompts, continued
         finally:
             await client.aclose()

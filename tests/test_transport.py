@@ -17,7 +17,15 @@ import pytest
 
 from inference.client import ChatClient, InferenceTimeout, InferenceUnreachable
 from inference.http11 import Http11Transport
-from inference.transport import AiohttpTransport, ConnectRefused, TransportError, TransportTimeout, dumps, loads
+from inference.transport import (
+    AiohttpTransport,
+    ConnectRefused,
+    JsonList,
+    TransportError,
+    TransportTimeout,
+    dumps,
+    loads,
+)
 from rollout_service.server.env_client import EnvClient, EnvDown, EnvUnreachable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +44,43 @@ def test_json_with_a_lone_surrogate_goes_both_ways_as_the_standard_library_would
     assert json.loads(dumps({"text": "a \ud83d b"})) == {"text": "a \ud83d b"}
     with pytest.raises(ValueError):
         loads(b"not json")
+
+
+def test_a_json_list_writes_what_the_standard_library_would_after_any_growth_and_copies():
+    """JsonList keeps its JSON as it grows, and copies share it: whatever is done to a list and its
+    snapshots, each is written as orjson writes a plain list of its items byte for byte, and reads
+    back as those items with the standard library (the oracles), also when nested or changed with
+    plain list methods. Breaks tried: no comma between what was written and
+    what is appended -> fails; a snapshot appending into the body it shares with its list (no check
+    that it owns the end) -> the list's JSON holds the snapshot's items, fails; no length check ->
+    a list changed with append is written without the item, fails."""
+    import random
+
+    rng = random.Random(7)
+    import orjson
+
+    def written_as_a_list(value) -> None:
+        assert dumps(value) == orjson.dumps(json.loads(json.dumps(value)))
+        assert json.loads(dumps(value)) == json.loads(json.dumps(value))
+
+    lists = [JsonList(), JsonList([1, 2, 3])]
+    for _ in range(600):
+        target = rng.choice(lists)
+        op = rng.randrange(6)
+        if op == 0:
+            target.grow([rng.randrange(50_000) for _ in range(rng.randrange(4))])
+        elif op == 1:
+            target.repeat(rng.choice([0, 1, None]), rng.randrange(4))
+        elif op == 2:
+            target.grow([rng.choice([-0.5, -1e-9, -12.25, 0.0])])
+        elif op == 3 and len(lists) < 12:
+            lists.append(target.snapshot())
+        elif op == 4 and rng.random() < 0.1:
+            target.append(rng.randrange(9))  # a plain list method: written as a plain list from here
+        for each in lists:
+            written_as_a_list(each)
+    written_as_a_list({"a": lists, "n": [lists[0]]})
+    assert all(type(each.snapshot()) is JsonList and each.snapshot() == each for each in lists)
 
 
 # The hot path's client, and aiohttp behind it (https, proxies, what the bare client does not speak).
@@ -488,7 +533,9 @@ def test_a_request_cancelled_or_timed_out_closes_its_connection_and_aclose_ends_
     """A request that ends before its answer leaves a connection whose next bytes are that answer:
     it is closed (the server sees the EOF), never reused. aclose() ends a request in flight with
     TransportError and closes its connection. Breaks tried: the connection kept on cancel (no
-    abort) -> no EOF seen, fails; aclose not closing live connections -> the request waits, fails."""
+    abort) -> no EOF seen, fails; aclose not closing live connections -> the request waits, fails;
+    the deadline check failing nothing -> the timed-out request waits, fails; the check never
+    stopping -> it is still running once nothing is in flight, fails."""
 
     async def go():
         server = _ScriptedServer()
@@ -510,6 +557,11 @@ def test_a_request_cancelled_or_timed_out_closes_its_connection_and_aclose_ends_
                 await transport.request("GET", f"{url}/slow", timeout=0.2)
             assert await asyncio.wait_for(server.eof_seen.get(), 5) == 2
             assert (await transport.request("GET", f"{url}/c")).body == b"/c"
+            # Nothing in flight: the deadline check stops (a pass that found nothing waiting).
+            sweeper = transport._sweeper
+            assert sweeper is not None
+            await asyncio.wait_for(asyncio.wait([sweeper]), 5)
+            assert transport._sweeper is None
             # Begun, ended by the close, cut off by aclose: no answer, not the part that had come.
             in_flight = asyncio.ensure_future(transport.request("GET", f"{url}/unframed-slow"))
             while (await server.got.get()) != b"/unframed-slow":

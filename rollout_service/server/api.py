@@ -119,7 +119,7 @@ async def post_batch(body: BatchRequest, request: Request) -> StreamingResponse:
 
 
 async def _stream(
-    request: Request, service: RolloutService, tasks: list[asyncio.Task[str]], sizes: list[int]
+    request: Request, service: RolloutService, tasks: list[asyncio.Task[bytes]], sizes: list[int]
 ) -> AsyncIterator[bytes]:
     """Each group's line as it finishes; a finished group is dropped here once sent."""
     pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
@@ -136,9 +136,9 @@ async def _stream(
                     line = _error_line(index, "cancelled", "the group was cancelled (the service is shutting down)")
                 elif (exc := task.exception()) is not None:
                     line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
-                else:
-                    line = f'{{"index": {index}, "group": {task.result()}}}'
-                yield (line + "\n").encode()
+                else:  # ~1 MB for 8 exact attempts: copied once here
+                    line = b'{"index": %d, "group": %b}' % (index, task.result())
+                yield line + b"\n"
     finally:
         watcher.cancel()
         # Handed to the service rather than awaited here: a disconnect cancels every await of this
@@ -146,8 +146,8 @@ async def _stream(
         service.cancel_in_background({task: sizes[index] for task, index in pending.items()})
 
 
-def _error_line(index: int, error: str, message: str) -> str:
-    return json.dumps({"index": index, "error": {"error": error, "message": message[:500]}})
+def _error_line(index: int, error: str, message: str) -> bytes:
+    return json.dumps({"index": index, "error": {"error": error, "message": message[:500]}}).encode()
 
 
 @router.get("/policy", response_model=PolicyState, summary="The policy version served, per replica, and recent updates")

@@ -8,7 +8,6 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from inference.client import clean_text
 from inference.transport import (
     ConnectRefused,
     HttpTransport,
@@ -131,11 +130,6 @@ class StepAnswer(BaseModel):
     pass_: bool = Field(False, alias="pass")
     reward: float = Field(0.0, allow_inf_nan=False)  # NaN would silently void every advantage
     score: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        return clean_text(data)
 
     @property
     def failure_category(self) -> str | None:

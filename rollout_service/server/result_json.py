@@ -5,6 +5,11 @@ A group of exact 4-turn attempts holds ~100k token ids and logprobs, and pydanti
 each model's fields under their aliases, as `model_dump_json(by_alias=True)` would (checked byte
 for byte in tests/test_trajectory.py), and pydantic itself writes whatever orjson cannot (say, an
 int over 64 bits). Here, not in the protocol, because a trainer installs no orjson.
+
+Most of a group is its turns' prompts and its trajectories' arrays. Those the service builds are
+JsonLists (inference/transport.py), which kept their JSON as they grew: they are copied into the
+result as written, not serialised again (a group's JSON took ~9% of the service's CPU at the
+ceiling before, 2026-12-02). Bytes, not str: the stream and the run log send them as they are.
 """
 
 from __future__ import annotations
@@ -14,22 +19,24 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
+from inference.transport import plain_json
+
 from ..protocol import GroupResult
 
 # Per model class: (attribute, JSON key) of each field pydantic serialises.
 _SERIALISED: dict[type[BaseModel], tuple[tuple[str, str], ...]] = {}
 
 
-def group_json(result: GroupResult) -> str:
+def group_json(result: GroupResult) -> bytes:
     try:
-        return orjson.dumps(result, default=_fields_by_alias).decode()
+        return orjson.dumps(result, default=_fields_by_alias, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
     except TypeError:
-        return result.model_dump_json(by_alias=True)
+        return result.model_dump_json(by_alias=True).encode()
 
 
-def _fields_by_alias(value: Any) -> dict[str, Any]:
+def _fields_by_alias(value: Any) -> Any:
     if not isinstance(value, BaseModel):
-        raise TypeError(f"{type(value).__name__} is not JSON")
+        return plain_json(value)  # a JsonList (a turn's prompt, a trajectory's arrays) as it was written
     cls = type(value)
     keys = _SERIALISED.get(cls)
     if keys is None:
@@ -38,4 +45,10 @@ def _fields_by_alias(value: Any) -> dict[str, Any]:
             for name, info in cls.model_fields.items()
             if not info.exclude
         )
-    return {key: getattr(value, name) for name, key in keys}  # no result model takes extra fields
+        if all(name == key for name, key in keys) and len(keys) == len(cls.model_fields):
+            keys = _SERIALISED[cls] = ()  # every field under its own name: the instance's own dict
+    if not keys:
+        # A model's fields, in their order, and nothing else (private attributes and extra fields are
+        # kept elsewhere; no result model takes extra fields).
+        return value.__dict__
+    return {key: getattr(value, name) for name, key in keys}

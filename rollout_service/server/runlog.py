@@ -28,13 +28,13 @@ class RunLog:
         self.groups_written = 0
         self.groups_lost = 0
         self.error: str | None = None  # the last write's error, cleared by a write that succeeds
-        self._queue: asyncio.Queue[str | None] = asyncio.Queue(maxsize=max_queue)
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=max_queue)
         self._writer: asyncio.Task | None = None
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write_forever())
 
-    def append(self, group_json: str) -> None:
+    def append(self, group_json: bytes) -> None:
         try:
             self._queue.put_nowait(group_json)
         except asyncio.QueueFull:
@@ -74,10 +74,10 @@ class RunLog:
             if done:
                 return
 
-    def _write(self, lines: list[str]) -> None:
+    def _write(self, lines: list[bytes]) -> None:
         with open(self.path, "a+b") as f:
             _drop_torn_tail(f, self.path)
-            f.write("".join(line + "\n" for line in lines).encode("utf-8"))
+            f.write(b"".join(line + b"\n" for line in lines))
             f.flush()
 
 

@@ -589,7 +589,7 @@ class RolloutService:
             )
         return resolved
 
-    def start_groups(self, requests: list[GroupRequest]) -> list[asyncio.Task[str]]:
+    def start_groups(self, requests: list[GroupRequest]) -> list[asyncio.Task[bytes]]:
         """Admit and start groups; each is a task the service can cancel at shutdown. One share per
         call: concurrent calls get fair shares of the pools, earlier groups of one call go first."""
         resolved = self.admit(requests)
@@ -608,7 +608,7 @@ class RolloutService:
 
     async def _run(
         self, request: GroupRequest, target: TaskTarget, route: ModelRoute, sequence: int, share: object
-    ) -> str:
+    ) -> bytes:
         """One group, as the JSON every consumer gets: serialised once, recorded in the run log here
         (whether or not its trainer is still there to read it)."""
         assert self.runner is not None
@@ -625,7 +625,7 @@ class RolloutService:
     def _uncount(self, attempts: int, _: asyncio.Future) -> None:
         self.queued_attempts -= attempts
 
-    def _track(self, coro: Coroutine[Any, Any, str]) -> asyncio.Task[str]:
+    def _track(self, coro: Coroutine[Any, Any, bytes]) -> asyncio.Task[bytes]:
         task = asyncio.ensure_future(coro)
         self._running.add(task)
         task.add_done_callback(self._running.discard)

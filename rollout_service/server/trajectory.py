@@ -17,7 +17,7 @@ from functools import partial
 from typing import Literal
 
 from inference.client import BadInferenceResponse, ChatClient, InferenceError, InferenceRejected, TokenizeAnswer
-from inference.transport import dumps
+from inference.transport import JsonList, dumps
 
 from ..protocol import CutReason, Segment, Turn, TurnSpan
 
@@ -193,6 +193,8 @@ class TrajectoryBuilder:
     # The template's own render of the conversation up to the last prompt (its replies as the template
     # tokenizes them, not as sampled), as vLLM's JSON array: where the next render is read on from.
     _rendered: bytes | None = None
+    # The open segment's token_ids, loss_mask and logprobs, which keep their JSON as they grow.
+    _arrays: tuple[JsonList, JsonList, JsonList] = field(default_factory=lambda: (JsonList(), JsonList(), JsonList()))
     _stopped_on_end_of_turn: bool = False
     _cut_next: tuple[CutReason, str] | None = None
 
@@ -206,25 +208,29 @@ class TrajectoryBuilder:
                 if isinstance(delta, tuple):
                     cut = delta
                 else:
-                    segment = self.segments[-1]
-                    segment.token_ids += delta
-                    segment.loss_mask += [0] * len(delta)
-                    segment.logprobs += [None] * len(delta)
+                    token_ids, loss_mask, logprobs = self._arrays
+                    token_ids.grow(delta)
+                    loss_mask.repeat(0, len(delta))
+                    logprobs.repeat(None, len(delta))
                     self._covered = list(messages)
-                    return list(segment.token_ids)
+                    return token_ids.snapshot()
         ids, self._rendered = await self.renderer.opening(messages, self.affinity)
+        token_ids, loss_mask, logprobs = self._arrays = JsonList(ids), JsonList(), JsonList()
+        loss_mask.repeat(0, len(ids))
+        logprobs.repeat(None, len(ids))
         self.segments.append(
             Segment.model_construct(  # ids the server's answer had validated; masks built here
-                token_ids=ids,
-                loss_mask=[0] * len(ids),
-                logprobs=[None] * len(ids),
+                token_ids=token_ids,
+                loss_mask=loss_mask,
+                logprobs=logprobs,
                 prompt_tokens=len(ids),
+                turns=[],  # given: pydantic inspects a default factory's signature on each call
                 cut=cut[0] if cut else None,
                 cut_detail=cut[1] if cut else None,
             )
         )
         self._covered = list(messages)
-        return list(ids)
+        return token_ids.snapshot()
 
     async def _continuation(self, messages: list[dict]) -> tuple[list[int] | tuple[CutReason, str], bytes | None]:
         """The tokens that follow the last completion: the template's end of turn (less what the model
@@ -281,14 +287,15 @@ class TrajectoryBuilder:
         assert self._covered is not None and turn.completion_token_ids is not None
         segment = self.segments[-1]
         ids = turn.completion_token_ids
-        start = len(segment.token_ids)
-        segment.token_ids += ids
+        token_ids, loss_mask, logprobs = self._arrays
+        start = len(token_ids)
+        token_ids.grow(ids)
         if turn.trainable and turn.logprobs is not None and len(turn.logprobs) == len(ids):
-            segment.loss_mask += [1] * len(ids)
-            segment.logprobs += list(turn.logprobs)
+            loss_mask.repeat(1, len(ids))
+            logprobs.grow(turn.logprobs)
         else:
-            segment.loss_mask += [0] * len(ids)
-            segment.logprobs += [None] * len(ids)
+            loss_mask.repeat(0, len(ids))
+            logprobs.repeat(None, len(ids))
         segment.turns.append(
             TurnSpan.model_construct(
                 turn=turn.index,
