@@ -46,6 +46,8 @@ _PLAIN_TARGET = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@/?]|%[0-9A-Fa-f]{2})
 # this. One timer per request (asyncio.timeout) cost ~2% of the service's CPU at bench/ceiling.py's
 # ceiling; this check costs a pass over the open connections 20 times a second while any request waits.
 SWEEP_S = 0.05
+# Request heads kept (see Http11Transport._request): a URL is parsed and its headers checked once.
+_MAX_HEADS = 1024
 # Headers this client writes itself: a caller's own goes through aiohttp.
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
@@ -207,6 +209,8 @@ class Http11Transport(HttpTransport):
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # connections belong to the loop that made them
         self._sweeper: asyncio.Task | None = None  # fails requests past their deadline (SWEEP_S)
+        # Per method, URL and headers: the server and the request's head (None: aiohttp sends it).
+        self._heads: dict[tuple, tuple[tuple[str, int], bytes] | None] = {}
 
     async def _send(
         self, method: str, url: str, body: bytes | None, headers: dict[str, str], deadline_s: float | None
@@ -231,6 +235,23 @@ class Http11Transport(HttpTransport):
         self, method: str, url: str, body: bytes | None, headers: dict[str, str]
     ) -> tuple[tuple[str, int], bytes] | None:
         """The server and the request's bytes, or None where aiohttp must send it."""
+        key = (method, url, *headers.items())
+        if key in self._heads:
+            head = self._heads[key]
+        else:
+            if len(self._heads) >= _MAX_HEADS:  # URLs that name episodes, say: not kept for long
+                self._heads.clear()
+            head = self._heads[key] = self._head(method, url, headers)
+        if head is None:
+            return None
+        server, lines = head
+        if body is not None or method in _WITH_BODY:
+            lines += b"Content-Length: %d\r\n" % len(body or b"")
+        return server, lines + b"\r\n" + body if body else lines + b"\r\n"
+
+    def _head(self, method: str, url: str, headers: dict[str, str]) -> tuple[tuple[str, int], bytes] | None:
+        """The server and the request's head but its Content-Length and end, or None where aiohttp
+        must send it."""
         if method not in _METHODS or not url.startswith("http://") or self._fallback.proxy_for(url) is not None:
             return None
         parts = urllib.parse.urlsplit(url)
@@ -249,10 +270,7 @@ class Http11Transport(HttpTransport):
             if not _plain(name) or not _plain(value, spaces=True):
                 return None
             lines.append(f"{name}: {value}")
-        if body is not None or method in _WITH_BODY:
-            lines.append(f"Content-Length: {len(body or b'')}")
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
-        return (host, 80 if port is None else port), head + body if body else head
+        return (host, 80 if port is None else port), ("\r\n".join(lines) + "\r\n").encode("ascii")
 
     async def _exchange(self, server: tuple[str, int], request: bytes, idempotent: bool, expires: float) -> HttpAnswer:
         idle = self._idle.setdefault(server, {})
@@ -271,7 +289,7 @@ class Http11Transport(HttpTransport):
         return await connection.exchange(request, expires)
 
     def _watch(self) -> None:
-        if self._sweeper is None:
+        if self._sweeper is None or self._sweeper.done():  # done: cancelled before it ever ran
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
@@ -320,7 +338,7 @@ class Http11Transport(HttpTransport):
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._sweeper is not None:
+        if self._sweeper is not None and not self._sweeper.get_loop().is_closed():
             self._sweeper.cancel()
         for connection in list(self._live):
             connection.abort()  # a request still waiting gets TransportError

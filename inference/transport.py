@@ -58,20 +58,21 @@ class JsonList(list):
     ~9% of the service's CPU at bench/ceiling.py's ceiling. Appended to with `grow` and `repeat`
     (which write the new items' JSON once); copies share what was written.
 
-    The JSON is that of the list's first items (as many as when it was written): a list changed with
-    list methods since is written as a plain list again (`dumps` checks the length), and one changed
-    in place must not be written at all. Anything that reads a list can read one."""
+    A list changed with list methods is written as a plain list from then on (each of them marks
+    it so). Anything that reads a list can read one."""
 
     __slots__ = ("_body", "_upto", "_count")
 
     def __init__(self, items: Any = ()) -> None:
         super().__init__(items)
-        self._body = bytearray(orjson.dumps(self)[1:-1])  # items and their commas; only ever appended to
+        self._body = bytearray(_items_json(self))  # items and their commas; only ever appended to
         self._upto = len(self._body)
-        self._count = len(self)
+        self._count = len(self)  # -1 once changed with a list method: the JSON no longer holds
 
     def grow(self, items: list) -> None:
-        self._written(orjson.dumps(items)[1:-1] if items else b"", items)
+        """`items` appended; their JSON is written here, or taken from a JsonList that has it."""
+        written = items._items_json() if isinstance(items, JsonList) else None
+        self._written(written if written is not None else _items_json(items), items)
 
     def repeat(self, item: int | None, times: int) -> None:
         """`times` more of `item` (0, 1 or None)."""
@@ -80,7 +81,7 @@ class JsonList(list):
     def snapshot(self) -> JsonList:
         """A copy of the list as it is now, sharing the JSON (later growth of this list is not in it)."""
         copy = JsonList.__new__(JsonList)
-        list.__init__(copy, self)
+        list.extend(copy, list.copy(self))  # from a plain list: a subclass would be copied item by item
         copy._body, copy._upto, copy._count = self._body, self._upto, self._count
         return copy
 
@@ -90,19 +91,88 @@ class JsonList(list):
             return None
         return orjson.Fragment(b"".join((b"[", self._body[: self._upto], b"]")))
 
+    def _items_json(self) -> bytes | None:
+        """The JSON of the items without the brackets; None when the list has changed since."""
+        return bytes(self._body[: self._upto]) if len(self) == self._count else None
+
     def _written(self, part: bytes, items: list) -> None:
-        if self._upto != len(self._body) or len(self) != self._count:
-            # A snapshot's body is shared with the list it came from, or the list was changed:
-            # from here on it writes a body of its own.
-            self._body = bytearray(orjson.dumps(list(self))[1:-1])
+        if len(self) != self._count:  # changed with list methods: written again
+            self._body = bytearray(_items_json(list(self)))
             self._upto = len(self._body)
+        elif self._upto != len(self._body):
+            # The body is shared (with the list this one is a snapshot of, or another snapshot) and
+            # holds more than this list: from here on this list writes a body of its own.
+            self._body = self._body[: self._upto]
         if part:
             if self._upto:
                 self._body += b","
             self._body += part
             self._upto = len(self._body)
-        self.extend(items)
+        list.extend(self, items)
         self._count = len(self)
+
+    def _changed(self) -> None:
+        self._count = -1
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        list.__setitem__(self, index, value)
+        self._changed()
+
+    def __delitem__(self, index: Any) -> None:
+        list.__delitem__(self, index)
+        self._changed()
+
+    def __iadd__(self, items: Any) -> JsonList:  # type: ignore[misc]
+        list.extend(self, items)
+        self._changed()
+        return self
+
+    def __imul__(self, times: Any) -> JsonList:  # type: ignore[misc]
+        list.__imul__(self, times)
+        self._changed()
+        return self
+
+    def append(self, item: Any) -> None:
+        list.append(self, item)
+        self._changed()
+
+    def extend(self, items: Any) -> None:
+        list.extend(self, items)
+        self._changed()
+
+    def insert(self, index: Any, item: Any) -> None:
+        list.insert(self, index, item)
+        self._changed()
+
+    def pop(self, index: Any = -1) -> Any:
+        item = list.pop(self, index)
+        self._changed()
+        return item
+
+    def remove(self, item: Any) -> None:
+        list.remove(self, item)
+        self._changed()
+
+    def clear(self) -> None:
+        list.clear(self)
+        self._changed()
+
+    def sort(self, *args: Any, **kwargs: Any) -> None:
+        list.sort(self, *args, **kwargs)
+        self._changed()
+
+    def reverse(self) -> None:
+        list.reverse(self)
+        self._changed()
+
+
+def _items_json(items: list) -> bytes:
+    """`items` as JSON without the brackets: orjson's, or the standard library's for what orjson
+    refuses (an int over 64 bits)."""
+    try:
+        return orjson.dumps(items)[1:-1]
+    except TypeError:
+        return std_json.dumps(items, separators=(",", ":")).encode()[1:-1]
 
 
 def plain_json(value: Any) -> Any:
@@ -136,7 +206,7 @@ def clean_text(value: Any) -> Any:
             value.encode("utf-8")
             return value
         except UnicodeEncodeError:
-            return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+            return value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")  # one U+FFFD each
     if isinstance(value, list):
         return [clean_text(v) for v in value]
     if isinstance(value, dict):

@@ -53,7 +53,8 @@ def test_a_json_list_writes_what_the_standard_library_would_after_any_growth_and
     plain list methods. Breaks tried: no comma between what was written and
     what is appended -> fails; a snapshot appending into the body it shares with its list (no check
     that it owns the end) -> the list's JSON holds the snapshot's items, fails; no length check ->
-    a list changed with append is written without the item, fails."""
+    a list changed with append is written without the item, fails; item assignment not marking the
+    list changed -> fails; another JsonList's JSON taken though it was changed -> fails."""
     import random
 
     rng = random.Random(7)
@@ -66,7 +67,7 @@ def test_a_json_list_writes_what_the_standard_library_would_after_any_growth_and
     lists = [JsonList(), JsonList([1, 2, 3])]
     for _ in range(600):
         target = rng.choice(lists)
-        op = rng.randrange(6)
+        op = rng.randrange(7)
         if op == 0:
             target.grow([rng.randrange(50_000) for _ in range(rng.randrange(4))])
         elif op == 1:
@@ -75,8 +76,22 @@ def test_a_json_list_writes_what_the_standard_library_would_after_any_growth_and
             target.grow([rng.choice([-0.5, -1e-9, -12.25, 0.0])])
         elif op == 3 and len(lists) < 12:
             lists.append(target.snapshot())
-        elif op == 4 and rng.random() < 0.1:
-            target.append(rng.randrange(9))  # a plain list method: written as a plain list from here
+        elif op == 4 and rng.random() < 0.2:
+            # A plain list method, the length kept or not: written as a plain list from here.
+            change = rng.choice(["append", "set", "sort", "pop_append", "iadd"])
+            if change == "append":
+                target.append(rng.randrange(9))
+            elif change == "set" and target:
+                target[0] = -7
+            elif change == "sort":
+                target.sort(key=str)
+            elif change == "pop_append" and target:
+                target.pop()
+                target.append(-8)
+            elif change == "iadd":
+                target += [5]
+        elif op == 5 and len(target) < 2000:
+            target.grow(rng.choice(lists))  # taking the other's JSON where it still holds
         for each in lists:
             written_as_a_list(each)
     written_as_a_list({"a": lists, "n": [lists[0]]})
@@ -527,6 +542,28 @@ def test_what_the_bare_client_does_not_speak_goes_through_aiohttp_and_a_connecti
         server.server.close()
         first.close()
         second.close()
+
+
+def test_deadlines_hold_after_the_deadline_check_was_cancelled_before_it_ran():
+    """Whoever cancels every task (a shutdown helper, a fixture) may cancel the deadline check before
+    it ever ran, so that its own cleanup never did: the next request starts another, and still times
+    out. Break tried: a check started only when none is set -> the request waits, fails."""
+
+    async def go():
+        server = _ScriptedServer()
+        url = await server.start()
+        transport = Http11Transport(timeout_s=5.0)
+        try:
+            transport._sweeper = asyncio.ensure_future(asyncio.sleep(1))
+            transport._sweeper.cancel()  # cancelled before it ran: done, never cleared
+            await asyncio.wait([transport._sweeper])
+            with pytest.raises(TransportTimeout):
+                await asyncio.wait_for(transport.request("GET", f"{url}/slow", timeout=0.2), 5)
+        finally:
+            await transport.aclose()
+            server.server.close()
+
+    asyncio.run(go())
 
 
 def test_a_request_cancelled_or_timed_out_closes_its_connection_and_aclose_ends_what_is_in_flight():

@@ -23,8 +23,10 @@ from inference.transport import plain_json
 
 from ..protocol import GroupResult
 
-# Per model class: (attribute, JSON key) of each field pydantic serialises.
-_SERIALISED: dict[type[BaseModel], tuple[tuple[str, str], ...]] = {}
+# Per model class: (attribute, JSON key) of each field pydantic serialises; None where every field is
+# and goes by its own name, written as the instance's __dict__ (no result model has a cached_property,
+# which would sit there too).
+_SERIALISED: dict[type[BaseModel], tuple[tuple[str, str], ...] | None] = {}
 
 
 def group_json(result: GroupResult) -> bytes:
@@ -38,16 +40,16 @@ def _fields_by_alias(value: Any) -> Any:
     if not isinstance(value, BaseModel):
         return plain_json(value)  # a JsonList (a turn's prompt, a trajectory's arrays) as it was written
     cls = type(value)
-    keys = _SERIALISED.get(cls)
-    if keys is None:
-        keys = _SERIALISED[cls] = tuple(
+    if cls not in _SERIALISED:
+        named = tuple(
             (name, info.serialization_alias or info.alias or name)
             for name, info in cls.model_fields.items()
             if not info.exclude
         )
-        if all(name == key for name, key in keys) and len(keys) == len(cls.model_fields):
-            keys = _SERIALISED[cls] = ()  # every field under its own name: the instance's own dict
-    if not keys:
+        same = all(name == key for name, key in named) and len(named) == len(cls.model_fields)
+        _SERIALISED[cls] = None if same else named
+    keys = _SERIALISED[cls]
+    if keys is None:
         # A model's fields, in their order, and nothing else (private attributes and extra fields are
         # kept elsewhere; no result model takes extra fields).
         return value.__dict__

@@ -23,6 +23,7 @@ from inference.client import (
     InferenceError,
     structured_output,
 )
+from inference.transport import JsonList
 
 from ..advantages import group_advantages, summarize
 from ..protocol import (
@@ -565,6 +566,10 @@ class GroupRunner:
         self.metrics.completion_done(time.monotonic() - started, result.prompt_tokens, choice.completion_tokens)
         # Every value was validated where it came in (the server's and the env's answers): constructed
         # without checking thousands of ids again (~3% of the service's CPU at bench/ceiling.py's ceiling).
+        completion_ids, logprobs = choice.completion_token_ids, choice.logprobs
+        if exact and completion_ids is not None and logprobs is not None:
+            # Written once, for the turn's record and its trajectory alike (transport.JsonList).
+            completion_ids, logprobs = JsonList(completion_ids), JsonList(logprobs)
         turn = Turn.model_construct(
             index=turn_index,
             stage=observation.stage,
@@ -575,8 +580,8 @@ class GroupRunner:
             response_format=observation.response_format,
             completion=choice.text,
             prompt_token_ids=result.prompt_token_ids if has_ids else None,
-            completion_token_ids=choice.completion_token_ids if has_ids else None,
-            logprobs=choice.logprobs if has_ids else None,
+            completion_token_ids=completion_ids if has_ids else None,
+            logprobs=logprobs if has_ids else None,
             token_source="server" if has_ids else "absent",
             finish_reason=choice.finish_reason,
             prompt_tokens=result.prompt_tokens,

@@ -28,8 +28,9 @@ _DECAY = 0.97  # _Odds: a try weighs about as much as the ~30 before it in all
 # Openings kept at most: more groups at once than this re-render theirs now and then.
 _MAX_OPENINGS = 8192
 Continuation = Literal["from_samples", "from_reply", "rendered_apart"]
-# A segment's opening render: its ids, and the same as vLLM's JSON array where the answer had its shape.
-Opening = tuple[list[int], bytes | None]
+# A segment's opening render: its ids (their JSON written once for the group's attempts), and the
+# same as vLLM's JSON array where the answer had its shape.
+Opening = tuple[JsonList, bytes | None]
 # Answers that say for good that the server cannot do it (no such route, a template it cannot
 # apply, not implemented); anything else (429, 401, 5xx, no answer) may pass and is asked again.
 _DEFINITIVE = (400, 404, 405, 422, 501)
@@ -141,7 +142,7 @@ class TemplateRenderer:
         try:
             # Shielded: one attempt cancelled must not cancel the render the others wait for.
             ids, array = await asyncio.shield(held[1])
-            return list(ids), array
+            return ids.snapshot(), array
         except InferenceError:
             if not joined:
                 raise
@@ -151,7 +152,7 @@ class TemplateRenderer:
 
     async def _open(self, messages: list[dict], affinity: str | None) -> Opening:
         answer = await self.answer(messages, True, affinity)
-        return answer.ids(), answer.array
+        return JsonList(answer.ids()), answer.array
 
     def _opened(self, affinity: str, render: asyncio.Future[Opening]) -> None:
         if render.cancelled() or render.exception() is not None:  # not kept: the next attempt asks again
@@ -214,16 +215,17 @@ class TrajectoryBuilder:
                     logprobs.repeat(None, len(delta))
                     self._covered = list(messages)
                     return token_ids.snapshot()
-        ids, self._rendered = await self.renderer.opening(messages, self.affinity)
-        token_ids, loss_mask, logprobs = self._arrays = JsonList(ids), JsonList(), JsonList()
-        loss_mask.repeat(0, len(ids))
-        logprobs.repeat(None, len(ids))
+        token_ids, self._rendered = await self.renderer.opening(messages, self.affinity)
+        loss_mask, logprobs = JsonList(), JsonList()
+        loss_mask.repeat(0, len(token_ids))
+        logprobs.repeat(None, len(token_ids))
+        self._arrays = token_ids, loss_mask, logprobs
         self.segments.append(
             Segment.model_construct(  # ids the server's answer had validated; masks built here
                 token_ids=token_ids,
                 loss_mask=loss_mask,
                 logprobs=logprobs,
-                prompt_tokens=len(ids),
+                prompt_tokens=len(token_ids),
                 turns=[],  # given: pydantic inspects a default factory's signature on each call
                 cut=cut[0] if cut else None,
                 cut_detail=cut[1] if cut else None,
