@@ -24,8 +24,8 @@ from inference.transport import plain_json
 from ..protocol import GroupResult
 
 # Per model class: (attribute, JSON key) of each field pydantic serialises; None where every field is
-# and goes by its own name, written as the instance's __dict__ (no result model has a cached_property,
-# which would sit there too).
+# serialised under its own name: the instance's __dict__ is written as it is (no result model has a
+# cached_property, which would sit there too).
 _SERIALISED: dict[type[BaseModel], tuple[tuple[str, str], ...] | None] = {}
 
 
