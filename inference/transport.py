@@ -58,21 +58,21 @@ class JsonList(list):
     ~9% of the service's CPU at bench/ceiling.py's ceiling. Appended to with `grow` and `repeat`
     (which write the new items' JSON once); copies share what was written.
 
-    A list changed with list methods is written as a plain list from then on (each of them marks
-    it so). Anything that reads a list can read one."""
+    A list changed with list methods is written as a plain list (each of them marks it so) until its
+    next `grow` or `repeat`, which writes its JSON again. Anything that reads a list can read one."""
 
     __slots__ = ("_body", "_upto", "_count")
 
     def __init__(self, items: Any = ()) -> None:
         super().__init__(items)
-        self._body = bytearray(_items_json(self))  # items and their commas; only ever appended to
+        self._body = bytearray(_dump_items(self))  # items and their commas; only ever appended to
         self._upto = len(self._body)
         self._count = len(self)  # -1 once changed with a list method: the JSON no longer holds
 
     def grow(self, items: list) -> None:
         """`items` appended; their JSON is written here, or taken from a JsonList that has it."""
         written = items._items_json() if isinstance(items, JsonList) else None
-        self._written(written if written is not None else _items_json(items), items)
+        self._written(written if written is not None else _dump_items(items), items)
 
     def repeat(self, item: int | None, times: int) -> None:
         """`times` more of `item` (0, 1 or None)."""
@@ -97,7 +97,7 @@ class JsonList(list):
 
     def _written(self, part: bytes, items: list) -> None:
         if len(self) != self._count:  # changed with list methods: written again
-            self._body = bytearray(_items_json(list(self)))
+            self._body = bytearray(_dump_items(list(self)))
             self._upto = len(self._body)
         elif self._upto != len(self._body):
             # The body is shared (with the list this one is a snapshot of, or another snapshot) and
@@ -166,7 +166,7 @@ class JsonList(list):
         self._changed()
 
 
-def _items_json(items: list) -> bytes:
+def _dump_items(items: list) -> bytes:
     """`items` as JSON without the brackets: orjson's, or the standard library's for what orjson
     refuses (an int over 64 bits)."""
     try:

@@ -38,7 +38,7 @@ def group_json(result: GroupResult) -> bytes:
 
 def _fields_by_alias(value: Any) -> Any:
     if not isinstance(value, BaseModel):
-        return plain_json(value)  # a JsonList (a turn's prompt, a trajectory's arrays) as it was written
+        return plain_json(value)  # a JsonList (an exact turn's lists, a trajectory's arrays) as written
     cls = type(value)
     if cls not in _SERIALISED:
         named = tuple(
