@@ -277,20 +277,20 @@ class Http11Transport(HttpTransport):
         connection = self._kept(idle) or await self._connect(server, idle, expires)
         reused = connection.idle_since > 0
         try:
-            self._watch()
-            return await connection.exchange(request, expires)
+            return await self._ask(connection, request, expires)
         except _Dropped as exc:
             if not (reused and idempotent) or exc.answered or self._closed:
                 raise
         # A kept-alive connection that ended with no byte of an answer: the server most likely closed
         # it (its idle timeout) as the request went out. Idempotent, so sent once more, on a new one.
-        connection = await self._connect(server, idle, expires)
-        self._watch()
-        return await connection.exchange(request, expires)
+        return await self._ask(await self._connect(server, idle, expires), request, expires)
 
-    def _watch(self) -> None:
-        if self._sweeper is None or self._sweeper.done():  # done: cancelled before it ever ran
+    async def _ask(self, connection: _Connection, request: bytes, expires: float) -> HttpAnswer:
+        """The request on `connection`, with the deadline check running while it waits (a check whose
+        last pass found nothing waiting has ended; one cancelled before it ever ran is done too)."""
+        if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return await connection.exchange(request, expires)
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()

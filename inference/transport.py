@@ -87,15 +87,14 @@ class JsonList(list):
 
     def json(self) -> orjson.Fragment | None:
         """The list's JSON for orjson to copy as it is; None when the list has changed since."""
-        if len(self) != self._count:
-            return None
-        return orjson.Fragment(b"".join((b"[", self._body[: self._upto], b"]")))
+        items = self._items_json()
+        return None if items is None else orjson.Fragment(b"".join((b"[", items, b"]")))
 
-    def _items_json(self) -> bytes | None:
-        """The JSON of the items without the brackets; None when the list has changed since."""
-        return bytes(self._body[: self._upto]) if len(self) == self._count else None
+    def _items_json(self) -> bytearray | None:
+        """The JSON of the items without the brackets (a copy); None when the list has changed since."""
+        return self._body[: self._upto] if len(self) == self._count else None
 
-    def _written(self, part: bytes, items: list) -> None:
+    def _written(self, part: bytes | bytearray, items: list) -> None:
         if len(self) != self._count:  # changed with list methods: written again
             self._body = bytearray(_dump_items(list(self)))
             self._upto = len(self._body)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, cast
 
 from inference.client import BadInferenceResponse, ChatClient, InferenceError, InferenceRejected, TokenizeAnswer
 from inference.transport import JsonList, dumps
@@ -194,8 +194,6 @@ class TrajectoryBuilder:
     # The template's own render of the conversation up to the last prompt (its replies as the template
     # tokenizes them, not as sampled), as vLLM's JSON array: where the next render is read on from.
     _rendered: bytes | None = None
-    # The open segment's token_ids, loss_mask and logprobs, which keep their JSON as they grow.
-    _arrays: tuple[JsonList, JsonList, JsonList] = field(default_factory=lambda: (JsonList(), JsonList(), JsonList()))
     _stopped_on_end_of_turn: bool = False
     _cut_next: tuple[CutReason, str] | None = None
 
@@ -209,7 +207,7 @@ class TrajectoryBuilder:
                 if isinstance(delta, tuple):
                     cut = delta
                 else:
-                    token_ids, loss_mask, logprobs = self._arrays
+                    token_ids, loss_mask, logprobs = self._open_arrays()
                     token_ids.grow(delta)
                     loss_mask.repeat(0, len(delta))
                     logprobs.repeat(None, len(delta))
@@ -219,7 +217,6 @@ class TrajectoryBuilder:
         loss_mask, logprobs = JsonList(), JsonList()
         loss_mask.repeat(0, len(token_ids))
         logprobs.repeat(None, len(token_ids))
-        self._arrays = token_ids, loss_mask, logprobs
         self.segments.append(
             Segment.model_construct(  # ids the server's answer had validated; masks built here
                 token_ids=token_ids,
@@ -282,6 +279,12 @@ class TrajectoryBuilder:
         self.continued = "rendered_apart"
         return bridge + whole[len(base) :], answer.array
 
+    def _open_arrays(self) -> tuple[JsonList, JsonList, JsonList]:
+        """The open segment's token_ids, loss_mask and logprobs: JsonLists (prompt() made them so),
+        which keep their JSON as they grow."""
+        segment = self.segments[-1]
+        return cast(JsonList, segment.token_ids), cast(JsonList, segment.loss_mask), cast(JsonList, segment.logprobs)
+
     def record(self, turn: Turn, stopped_on_string: bool = False) -> None:
         """Append a policy turn's sampled ids (its prompt was the last `prompt()`). A turn ended by a stop
         string ends its segment: vLLM's ids may run past the string's end inside a token, so they may
@@ -289,7 +292,7 @@ class TrajectoryBuilder:
         assert self._covered is not None and turn.completion_token_ids is not None
         segment = self.segments[-1]
         ids = turn.completion_token_ids
-        token_ids, loss_mask, logprobs = self._arrays
+        token_ids, loss_mask, logprobs = self._open_arrays()
         start = len(token_ids)
         token_ids.grow(ids)
         if turn.trainable and turn.logprobs is not None and len(turn.logprobs) == len(ids):
