@@ -182,7 +182,7 @@ def test_a_reset_waiting_for_a_world_is_bounded_by_timeout_s_and_still_abandoned
     attempt = r.json()["attempts"][0]
     # No episode was started within timeout_s: the env's failure (it gave no world), not the policy's.
     assert attempt["failure"]["kind"] == "env_no_world" and attempt["failure"]["attribution"] == "infrastructure"
-    assert attempt["reward"] is None and attempt["timings"]["total_s"] < 2.0, attempt
+    assert attempt["reward"] is None and attempt["timings"]["total_s"] < 10.0, attempt  # unbounded when broken
     # The service still counts the world as held: its reset is parked on the env.
     svc = detail(service)
     assert svc["envs"][0]["held"] == 1 and svc["episodes_ending"] == 1

@@ -71,10 +71,8 @@ def test_sigterm_abandons_running_groups(start_refenv, start_service):
     service = start_service([env.url])
     running = Background(service.url, {"task_id": "t005", "n": 4, "sampling": SAMPLING})
     assert wait_until(lambda: env.health()["leased"] == 4, 60)
-    sent = time.monotonic()
     os.kill(service.proc.proc.pid, signal.SIGTERM)
-    assert wait_until(lambda: env.health()["leased"] == 0, 5)
-    assert time.monotonic() - sent < 5
+    assert wait_until(lambda: env.health()["leased"] == 0, 10)  # 30 s (the env's latency) when broken
     running.join(30)
     assert running.response is not None and running.response.status_code == 503
     assert running.response.json()["error"] == "shutting_down"
@@ -107,11 +105,12 @@ def test_many_trainers_beyond_the_pool_all_queue_nothing_refused(start_refenv, s
 def test_inference_deadline_marks_inference_failure(start_refenv, start_service, launch):
     """A completion slower than --inference-timeout fails its attempt as inference_timeout and its
     episode is abandoned. The model is the scripted stand-in answering after 3 s against a 0.5 s
-    deadline, so the timing is certain (a CPU vLLM being slower than the deadline is not)."""
+    deadline, so the timing is certain (a CPU vLLM being slower than the deadline is not): 10 s against
+    a 0.5 s deadline, so a loaded machine does not decide it."""
     from scripted_model import command
 
     port = free_port()
-    model = launch("model", port, command(port, "answer", "--delay", "3"), ready_path="/v1/models")
+    model = launch("model", port, command(port, "answer", "--delay", "10"), ready_path="/v1/models")
     env = start_refenv("--pool", "2")
     service = start_service([env.url], "--inference-timeout", "0.5", vllm=model.url, model="scripted")
     sent = time.monotonic()
@@ -120,7 +119,7 @@ def test_inference_deadline_marks_inference_failure(start_refenv, start_service,
         timeout=120,
         json={"task_id": "t005", "n": 2, "retries": 0, "sampling": {"temperature": 0.8, "max_tokens": 400}},
     ).json()
-    assert time.monotonic() - sent < 3.0  # given up before the model answered
+    assert time.monotonic() - sent < 8.0  # given up before the model answered
     assert_accounted(group)
     assert [a["status"] for a in group["attempts"]] == ["inference_failure"] * 2
     assert all(a["failure"]["kind"] == "inference_timeout" for a in group["attempts"])

@@ -156,15 +156,15 @@ def test_max_turns_ends_an_episode_that_never_answers(start_refenv, start_servic
     assert env.health()["episodes"]["abandoned"] == 2
 
 
-def test_client_disconnect_abandons_every_episode_within_a_second(start_refenv, start_service):
+def test_client_disconnect_abandons_every_episode_at_once(start_refenv, start_service):
     env = start_refenv("--pool", "4", "--latency-ms", "20000")
     service = start_service([env.url])
     with pytest.raises(httpx.ReadTimeout):
         group(service.url, timeout=4, task_id="t005", n=4, sampling={"temperature": 0.8, "max_tokens": 16})
     assert env.health()["episodes"]["started"] == 4  # every attempt held a world when the trainer left
-    gone = time.monotonic()
-    assert wait_until(lambda: env.health()["leased"] == 0, 3.0)
-    assert time.monotonic() - gone < 1.5
+    # The bound is loose so a loaded CI machine does not decide it; a missed abandon holds the worlds
+    # for the env's 20 s.
+    assert wait_until(lambda: env.health()["leased"] == 0, 5.0)
     assert env.health()["episodes"]["abandoned"] == 4
 
     # The same through a batch stream: the trainer reads one line's worth of time, then leaves.
@@ -177,7 +177,7 @@ def test_client_disconnect_abandons_every_episode_within_a_second(start_refenv, 
         ) as response:
             for _ in response.iter_lines():
                 pass
-    assert wait_until(lambda: env.health()["leased"] == 0, 1.5)
+    assert wait_until(lambda: env.health()["leased"] == 0, 5.0)
     assert httpx.get(f"{service.url}/health/detail").json()["envs"][0]["held"] == 0
 
 
@@ -411,24 +411,38 @@ def test_refenv_support_model_answers_responder_and_hosted_mode(start_refenv, vl
     assert hosted.health()["leased"] == 0
 
 
-def test_a_seed_reproduces_every_turns_token_ids_and_attempts_differ(start_refenv, start_service):
-    """With a seed, a rerun samples exactly the same tokens on every turn (the real model: this is a
-    property of vLLM's seeded sampling as the service drives it), while the attempts of one group
-    differ from one another."""
+def test_a_seeded_groups_attempts_sample_differently(start_refenv, start_service):
+    """With a seed, the attempts of one group still differ (the real model: each attempt's turns get
+    their own seeds). That a rerun samples the very same tokens is not asserted: vLLM online only
+    reproduces tokens with batch invariance, which its CPU build does not have, and this server is
+    shared with other tests' requests (README, "HTTP API"). The seeds sent are checked on
+    the wire in test_a_seed_sends_the_documented_seed_per_attempt_and_turn."""
     env = start_refenv("--pool", "4")
     service = start_service([env.url])
     body = {"task_id": "t005", "n": 4, "sampling": {"temperature": 1.0, "max_tokens": 24, "seed": 321}}
-    first, second = (group(service.url, **body).json() for _ in range(2))
-
-    def ids(g: dict) -> list[list[list[int]]]:
-        return [[t["completion_token_ids"] for t in a["turns"]] for a in g["attempts"]]
-
-    assert ids(first) == ids(second)
-    assert [[t["seed"] for t in a["turns"]] for a in first["attempts"]] == [
-        [t["seed"] for t in a["turns"]] for a in second["attempts"]
-    ]
-    first_turns = [a["turns"][0]["completion_token_ids"] for a in first["attempts"]]
+    g = group(service.url, **body).json()
+    assert_accounted(g)
+    first_turns = [a["turns"][0]["completion_token_ids"] for a in g["attempts"]]
     assert len({tuple(x) for x in first_turns}) > 1, "every attempt sampled the same first turn"
+
+
+def test_a_seed_sends_the_documented_seed_per_attempt_and_turn(start_refenv, start_service, start_scripted_model):
+    """The seed a turn is sampled with is the README's `seed + 7919 i + t`, the same on a rerun, and it
+    is what reaches the model server (the oracle: the scripted stand-in's own count of the seeds it was
+    sent, since vLLM does not echo one). Every episode takes three turns (`sql-then-answer`). Breaks
+    tried: the attempt's index left out of the seed -> the attempts share seeds, fails; the seed
+    recorded but not sent -> the server counts "none", fails."""
+    model = start_scripted_model("sql-then-answer", "--sql-turns", "2")
+    env = start_refenv("--pool", "4")
+    service = start_service([env.url], vllm=model.url, model="scripted")
+    body = {"task_id": "t005", "n": 4, "retries": 0, "sampling": {**SAMPLING, "seed": 321}}
+    documented = [[321 + 7919 * i + t for t in range(3)] for i in range(4)]
+    for _ in range(2):
+        g = group(service.url, **body).json()
+        assert [a["status"] for a in g["attempts"]] == ["scored"] * 4, g
+        assert [[t["seed"] for t in a["turns"]] for a in g["attempts"]] == documented
+    sent = httpx.get(f"{model.url}/stats").json()["by_seed"]
+    assert sent == {str(seed): 2 for seeds in documented for seed in seeds}
 
 
 def test_the_session_vllm_computes_in_its_engine_process(vllm_url):

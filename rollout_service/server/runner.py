@@ -48,7 +48,7 @@ log = logging.getLogger("rollout_service.runner")
 
 # The env finished the episode but says it could not grade it: infrastructure, not a zero.
 UNSCORABLE_CATEGORIES = ("transport_error", "environment_failure")
-_SEED_STRIDE = 7919  # attempt i samples with seed + i * stride + turn: different, reproducible
+_SEED_STRIDE = 7919  # attempt i samples with seed + i * stride + turn: different, the same on a rerun
 # How long an ending keeps DELETEing an episode the env will not give back: the contract's idle
 # reclaim (5 minutes by default) plus a margin; past it the env has ended the episode itself.
 ABANDON_PATIENCE_S = 330.0
