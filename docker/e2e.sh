@@ -85,8 +85,11 @@ g = json.load(open(sys.argv[1]))
 c = g["counts"]
 assert c["scheduled"] == 4 == c["scored"] + c["failed"], c
 turns = [t for a in g["attempts"] for t in a["turns"]]
-assert turns and all(t["prompt_token_ids"] and t["completion_token_ids"]
-                     and len(t["logprobs"]) == len(t["completion_token_ids"]) for t in turns), "a turn lacks token ids"
+# Exact mode: a turn's prompt ids are its trajectory segment up to its span (null in the turn itself).
+assert turns and all(t["completion_token_ids"] and len(t["logprobs"]) == len(t["completion_token_ids"])
+                     for t in turns), "a turn lacks token ids"
+assert all(a["trajectory"] and a["trajectory"][0]["prompt_tokens"] > 0 for a in g["attempts"] if a["turns"]), \
+    "an attempt lacks its trajectory"
 # Every attempt must have reached vLLM and been generated: an inference failure here is the stack broken.
 bad = [(a["status"], a.get("failure")) for a in g["attempts"] if a["status"] == "inference_failure"]
 assert not bad, bad

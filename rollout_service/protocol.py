@@ -162,9 +162,13 @@ class Turn(BaseModel):
     messages: list[dict[str, Any]]
     response_format: Any = None
     completion: str
-    # Exactly what the model server generated from and produced (in exact mode the prompt ids are the
-    # ids sent, which the server's count agreed with); None where it did not return them.
-    prompt_token_ids: list[int] | None = None
+    # Exactly what the model server generated from and produced; None where it did not return them.
+    prompt_token_ids: list[int] | None = Field(
+        None,
+        description="the ids the turn was generated from; null in exact mode, where they are its segment up to "
+        "its span (Attempt.turn_prompt_ids): repeated in every turn, they made a group's JSON grow with the "
+        "square of an episode's length",
+    )
     completion_token_ids: list[int] | None = None
     logprobs: list[float] | None = None
     token_source: Literal["server", "absent"]
@@ -264,6 +268,16 @@ class Attempt(BaseModel):
         None, description="exact mode: the attempt's token sequence, one segment per stretch the env did not rewrite"
     )
     turns: list[Turn] = Field(default_factory=list)
+
+    def turn_prompt_ids(self, turn: int) -> list[int] | None:
+        """The ids turn `turn` (an index into `turns`) was generated from: in exact mode its segment up to
+        its span; else the turn's own `prompt_token_ids` (None where the server returned none)."""
+        record = self.turns[turn]
+        if record.prompt_token_ids is not None or record.segment is None or self.trajectory is None:
+            return record.prompt_token_ids
+        segment = self.trajectory[record.segment]
+        span = next(s for s in segment.turns if s.turn == record.index)
+        return segment.token_ids[: span.start]
 
 
 class EnvContract(BaseModel):

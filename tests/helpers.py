@@ -72,3 +72,14 @@ def assert_env_accounted(health: dict) -> None:
         f"env episodes do not add up: started {e['started']} != ended {ended} "
         f"({', '.join(f'{k} {v}' for k, v in e.items() if k != 'started')}) + live {health['live_episodes']}"
     )
+
+
+def prompt_ids(attempt: dict, turn: int = 0) -> list[int]:
+    """The ids turn `turn` of `attempt` was generated from, read as the README says: the turn's own
+    `prompt_token_ids` in chat mode; in exact mode (where they are null) its segment up to its span."""
+    record = attempt["turns"][turn]
+    if record["prompt_token_ids"] is not None:
+        return record["prompt_token_ids"]
+    segment = attempt["trajectory"][record["segment"]]
+    [span] = [s for s in segment["turns"] if s["turn"] == record["index"]]
+    return segment["token_ids"][: span["start"]]

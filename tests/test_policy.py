@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import assert_accounted, wait_until
+from helpers import assert_accounted, prompt_ids, wait_until
 
 from inference import embedded_model
 from inference.client import structured_output
@@ -59,11 +59,11 @@ def served_models(vllm: str) -> list[str]:
     return [m["id"] for m in httpx.get(f"{vllm}/v1/models", timeout=10).json()["data"]]
 
 
-def regenerate(vllm: str, model: str, turn: dict) -> list[int]:
-    """The completion `model` gives greedily for the turn's own prompt tokens, sent straight to vLLM."""
+def regenerate(vllm: str, model: str, attempt: dict, turn: dict) -> list[int]:
+    """The completion `model` gives greedily for the turn's prompt tokens, sent straight to vLLM."""
     body = {
         "model": model,
-        "prompt": turn["prompt_token_ids"],
+        "prompt": prompt_ids(attempt, turn["index"]),
         "temperature": 0,
         "max_tokens": GREEDY["max_tokens"],
         "seed": turn["seed"],
@@ -76,11 +76,12 @@ def regenerate(vllm: str, model: str, turn: dict) -> list[int]:
     return answer.json()["choices"][0]["token_ids"]
 
 
-def assert_fresh_kv(vllm: str, turn: dict) -> None:
-    """The turn's logprobs are those of its prompt computed afresh on the weights served now."""
+def assert_fresh_kv(vllm: str, attempt: dict) -> None:
+    """The attempt's first turn's logprobs are those of its prompt computed afresh on the weights served now."""
+    turn = attempt["turns"][0]
     body = {
         "model": MODEL,
-        "prompt": turn["prompt_token_ids"],
+        "prompt": prompt_ids(attempt),
         "max_tokens": len(turn["completion_token_ids"]),
         "temperature": 0,
         "logprobs": 0,
@@ -99,11 +100,12 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def assert_made_by(vllm: str, turn: dict, own: str, other: str) -> None:
-    """The turn's tokens follow `own`'s greedy answer further than `other`'s. (Both share the
-    tokens the JSON grammar forces; a near-tie in a batched bf16 step may end a replay early.)"""
+def assert_made_by(vllm: str, attempt: dict, turn: dict, own: str, other: str) -> None:
+    """The turn's tokens follow `own`'s greedy answer further than `other`'s. (Both share the tokens
+    the JSON grammar forces; a near-tie in a batched bf16 step may end a replay early.)"""
     ids = turn["completion_token_ids"]
-    mine, theirs = shared_prefix(regenerate(vllm, own, turn), ids), shared_prefix(regenerate(vllm, other, turn), ids)
+    mine = shared_prefix(regenerate(vllm, own, attempt, turn), ids)
+    theirs = shared_prefix(regenerate(vllm, other, attempt, turn), ids)
     assert mine > theirs, (turn["policy_version"], mine, theirs, len(ids))
 
 
@@ -168,8 +170,11 @@ def test_adapter_versions_answer_as_their_weights(start_refenv, start_service, v
     assert policy(service)["served_model"] in served_models(vllm_url)
 
     # The model server itself, asked the same under each version, agrees with the labels.
-    assert_made_by(vllm_url, strong["attempts"][0]["turns"][0], policy(service)["served_model"], MODEL)
-    assert_made_by(vllm_url, base["attempts"][0]["turns"][0], MODEL, policy(service)["served_model"])
+    for made, own, other in (
+        (strong, policy(service)["served_model"], MODEL),
+        (base, MODEL, policy(service)["served_model"]),
+    ):
+        assert_made_by(vllm_url, made["attempts"][0], made["attempts"][0]["turns"][0], own, other)
 
     # A version is a new label; a bad path changes nothing and the service keeps serving.
     again = post_policy(service, version="strong", lora={"path": str(tmp_path / "strong")})
@@ -217,17 +222,17 @@ def test_update_mid_batch_each_turn_names_the_weights_that_made_it(start_refenv,
     strong_name = policy(service)["served_model"]
     thread.join(900)
     assert len(lines) == len(batch) and all("group" in line for line in lines), lines[:1]
-    turns = [t for line in lines for a in line["group"]["attempts"] for t in a["turns"]]
-    versions = {t["policy_version"] for t in turns}
+    turns = [(a, t) for line in lines for a in line["group"]["attempts"] for t in a["turns"]]
+    versions = {t["policy_version"] for _, t in turns}
     assert versions == {"base", "strong"}, versions  # the update landed mid-batch
     weights = {"base": MODEL, "strong": strong_name}
     # A sample: replaying a turn on CPU takes seconds (its prompt is the whole episode so far).
-    sample = [t for t in turns if t["policy_version"] == "base"][:2] + [
-        t for t in turns if t["policy_version"] == "strong"
+    sample = [(a, t) for a, t in turns if t["policy_version"] == "base"][:2] + [
+        (a, t) for a, t in turns if t["policy_version"] == "strong"
     ][:2]
-    for turn in sample:
+    for attempt, turn in sample:
         other = ({"base", "strong"} - {turn["policy_version"]}).pop()
-        assert_made_by(vllm_url, turn, weights[turn["policy_version"]], weights[other])
+        assert_made_by(vllm_url, attempt, turn, weights[turn["policy_version"]], weights[other])
     for line in lines:
         g = line["group"]
         assert_accounted(g)
@@ -313,8 +318,7 @@ def test_full_weights_from_disk_and_pushed_by_the_trainer(
     assert {t["policy_version"] for t in w1["attempts"][0]["turns"]} == {"w1"}
     # w1's first prompt is the one the base group's turns cached: vLLM computes it again on w1 (its
     # logprobs equal those of the same request with a cache salt, which shares no cached block).
-    turn = w1["attempts"][0]["turns"][0]
-    assert_fresh_kv(vllm_url, turn)
+    assert_fresh_kv(vllm_url, w1["attempts"][0])
 
     # The same checkpoint again is refused (nothing would change) where vLLM's checksums see every
     # weight. Its CPU build repacks the linear layers on CPUs with its bf16 kernels (AVX-512 BF16, AMX),

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from helpers import assert_accounted, wait_until
+from helpers import assert_accounted, prompt_ids, wait_until
 
 from inference import embedded_model
 from rollout_service.tools.stack import free_port
@@ -62,12 +62,12 @@ def test_group_of_8_has_variance_exact_tokens_and_contract(start_refenv, start_s
                 assert all(lp <= 0.0 for lp in logprobs)
                 assert tokenizer.decode(ids, skip_special_tokens=True) == turn["completion"]
                 assert turn["completion_tokens"] == len(ids)
-                prompt = tokenizer.decode(turn["prompt_token_ids"])
+                prompt = tokenizer.decode(prompt_ids(a, turn["index"]))
                 assert turn["messages"][-1]["content"] in prompt
                 assert turn["trainable"] is (turn["stage"] == "executor")
             if a["status"] == "scored":  # the env's own tally of what the service reported on /step
                 assert a["score"]["tokens"]["completion"] == sum(len(t["completion_token_ids"]) for t in a["turns"])
-                assert a["score"]["tokens"]["prompt"] == sum(len(t["prompt_token_ids"]) for t in a["turns"])
+                assert a["score"]["tokens"]["prompt"] == sum(len(prompt_ids(a, t["index"])) for t in a["turns"])
     assert env.health()["leased"] == 0
 
 

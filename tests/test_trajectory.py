@@ -88,10 +88,20 @@ def attempts_of(groups: list[dict]) -> list[dict]:
     return [a for g in groups for a in g["attempts"] if a["turns"]]
 
 
+def span_of(attempt: dict, turn: dict) -> tuple[list[int], dict, dict]:
+    """A turn's prompt ids as the README says to read them (its segment up to its span), its segment
+    and its span."""
+    segment = attempt["trajectory"][turn["segment"]]
+    [span] = [s for s in segment["turns"] if s["turn"] == turn["index"]]
+    return segment["token_ids"][: span["start"]], segment, span
+
+
 def test_turns_continue_the_sampled_tokens_exactly(exact_run):
     """Within a segment, every turn's prompt is the previous prompt, then the previous completion's
     own ids, then the env's tokens: nothing sampled is tokenized again (in chat mode 19 of 46
-    consecutive pairs were not). The segment is the last turn's prompt and completion."""
+    consecutive pairs were not). The oracles: the tokenizer's own chat template render of each turn's
+    messages, and vLLM's count of the prompt tokens it generated from. Break tried: prompt ids written
+    into exact turns again -> fails (they are null, read from the trajectory)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir())
@@ -100,23 +110,25 @@ def test_turns_continue_the_sampled_tokens_exactly(exact_run):
         assert attempt["tokens"] == "exact"
         turns, segments = attempt["turns"], attempt["trajectory"]
         for turn in turns:
+            assert turn["prompt_token_ids"] is None, "an exact turn repeats the trajectory's prompt ids"
+            prompt, segment, span = span_of(attempt, turn)
             # The ids are the text the env saw: the completion decodes to it, and the prompt to the chat
-            # template's text of the turn's messages (end-of-turn tokens and all).
+            # template's text of the turn's messages (end-of-turn tokens and all), which is what vLLM
+            # counted.
+            assert segment["token_ids"][span["start"] : span["end"]] == turn["completion_token_ids"]
             assert tokenizer.decode(turn["completion_token_ids"], skip_special_tokens=True) == turn["completion"]
             rendered = tokenizer.apply_chat_template(turn["messages"], tokenize=False, add_generation_prompt=True)
-            assert tokenizer.decode(turn["prompt_token_ids"]) == rendered, (attempt["index"], turn["index"])
+            assert tokenizer.decode(prompt) == rendered, (attempt["index"], turn["index"])
+            assert turn["prompt_tokens"] == len(prompt), (attempt["index"], turn["index"])
         for before, after in zip(turns, turns[1:], strict=False):
-            if before["segment"] != after["segment"]:
-                continue
-            pairs += 1
-            sent = before["prompt_token_ids"] + before["completion_token_ids"]
-            assert after["prompt_token_ids"][: len(sent)] == sent, (attempt["index"], before["index"])
+            if before["segment"] == after["segment"]:
+                pairs += 1
+                assert span_of(attempt, before)[2]["end"] <= span_of(attempt, after)[2]["start"]
         for number, segment in enumerate(segments):
             mine = [t for t in turns if t["segment"] == number]
             assert mine, "a segment without a turn"
-            last = mine[-1]
-            assert segment["token_ids"] == last["prompt_token_ids"] + last["completion_token_ids"]
-            assert segment["prompt_tokens"] == len(mine[0]["prompt_token_ids"])
+            assert segment["turns"][-1]["end"] == len(segment["token_ids"])  # ends on the last completion
+            assert segment["prompt_tokens"] == mine[0]["prompt_tokens"]
             assert len(segment["loss_mask"]) == len(segment["logprobs"]) == len(segment["token_ids"])
     assert pairs >= 5, f"only {pairs} consecutive turn pairs: the run checked too little"
 
@@ -168,7 +180,7 @@ def test_a_rewritten_history_cuts_a_segment_and_says_so(exact_run):
         for turn in responder:
             segment = segments[turn["segment"]]
             assert segment["cut"] == "history_rewritten" and segment["cut_detail"]
-            assert segment["prompt_tokens"] == len(turn["prompt_token_ids"])
+            assert segment["prompt_tokens"] == turn["prompt_tokens"] == span_of(attempt, turn)[2]["start"]
             assert not any(segment["loss_mask"])
             cut += 1
     assert cut > 0, "no attempt reached the responder stage: nothing was cut"
@@ -220,7 +232,7 @@ def test_trainer_shapes(exact_run):
             continue
         segment = a.trajectory[0]
         assert prompt + completion == segment.token_ids
-        assert prompt == a.turns[0].prompt_token_ids
+        assert prompt == a.turn_prompt_ids(0) == segment.token_ids[: segment.turns[0].start]
         assert len(lps) == len(mask) == len(completion)
         assert sum(mask) == sum(len(t.completion_token_ids) for t in a.turns if t.stage in POLICY_STAGES)
     batch = token_batch([*attempts, failed], pad_token_id=0)
@@ -285,7 +297,7 @@ def test_chat_mode_has_no_trajectory_and_stop_strings_stay_exact(start_refenv, s
         for turn, after in zip(turns, [*turns[1:], None], strict=True):
             decoded = tokenizer.decode(turn["completion_token_ids"], skip_special_tokens=True)
             rendered = tokenizer.apply_chat_template(turn["messages"], tokenize=False, add_generation_prompt=True)
-            assert tokenizer.decode(turn["prompt_token_ids"]) == rendered
+            assert tokenizer.decode(span_of(attempt, turn)[0]) == rendered
             if not turn["completion"].endswith('"input"'):
                 assert decoded == turn["completion"]
                 continue
@@ -431,19 +443,24 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
             builders = [TrajectoryBuilder(renderer, "g") for _ in range(3)]
             server.renders.clear()
             server.texts.clear()
-            prompts = [await asyncio.gather(*(b.prompt(opening) for b in builders))]
+
+            def sent(prompt: list[int]) -> list[int]:
+                # What is sent is the list's own JSON, kept as it grew (transport.JsonList); the list is
+                # the trajectory's, which the turn's record grows: copied as it was when sent.
+                assert dumps(prompt) == orjson.dumps(list(prompt))
+                return list(prompt)
+
+            prompts = [[sent(p) for p in await asyncio.gather(*(b.prompt(opening) for b in builders))]]
             assert len(server.renders) == 1, server.renders  # one opening render for the group
             for b in builders:
                 b.record(_reply_turn(0, reply, ids))
-            prompts.append([await b.prompt(conversation) for b in builders])
+            prompts.append([sent(await b.prompt(conversation)) for b in builders])
             continued = [[b.continued for b in builders]]
             for b in builders:
                 b.record(_reply_turn(1, second_reply, _chars(second_reply)))
-            prompts.append([await b.prompt(longer) for b in builders])
+            prompts.append([sent(await b.prompt(longer)) for b in builders])
             continued.append([b.continued for b in builders])
-            # What is sent and written is each list's own JSON, kept as it grew (transport.JsonList).
-            written = [p for turn in prompts for p in turn]
-            written += [arr for b in builders for s in b.segments for arr in (s.token_ids, s.loss_mask, s.logprobs)]
+            written = [arr for b in builders for s in b.segments for arr in (s.token_ids, s.loss_mask, s.logprobs)]
             assert all(dumps(arr) == orjson.dumps(list(arr)) for arr in written)
             return prompts, continued
         finally:

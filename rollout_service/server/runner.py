@@ -556,9 +556,9 @@ class GroupRunner:
         if lease is not None:
             self.metrics.turns.labels(version=lease.version.label).inc()
         choice = result.choices[0]
-        has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
         # An exact turn's prompt ids are the very list the client sent (it refuses an answer whose count or
-        # echo of the prompt differs): they share their int objects with the trajectory.
+        # echo of the prompt differs): the trajectory's, which holds them for the turn's record too.
+        has_ids = choice.completion_token_ids is not None and result.prompt_token_ids is not None
         if exact and (
             not has_ids or choice.logprobs is None or len(choice.logprobs) != len(choice.completion_token_ids or ())
         ):
@@ -579,7 +579,7 @@ class GroupRunner:
             messages=observation.messages,
             response_format=observation.response_format,
             completion=choice.text,
-            prompt_token_ids=result.prompt_token_ids if has_ids else None,
+            prompt_token_ids=result.prompt_token_ids if has_ids and not exact else None,
             completion_token_ids=completion_ids if has_ids else None,
             logprobs=logprobs if has_ids else None,
             token_source="server" if has_ids else "absent",

@@ -198,6 +198,8 @@ class TrajectoryBuilder:
     _cut_next: tuple[CutReason, str] | None = None
 
     async def prompt(self, messages: list[dict]) -> list[int]:
+        """The next turn's prompt ids for the env's `messages`: the open segment's own list (not a copy;
+        it keeps its JSON for the request), valid until the turn's `record` grows it."""
         cut, self._cut_next = self._cut_next, None
         self.continued = None
         if self._covered is not None and cut is None:
@@ -212,7 +214,7 @@ class TrajectoryBuilder:
                     loss_mask.repeat(0, len(delta))
                     logprobs.repeat(None, len(delta))
                     self._covered = list(messages)
-                    return token_ids.snapshot()
+                    return token_ids
         token_ids, self._rendered = await self.renderer.opening(messages, self.affinity)
         loss_mask, logprobs = JsonList(), JsonList()
         loss_mask.repeat(0, len(token_ids))
@@ -229,7 +231,7 @@ class TrajectoryBuilder:
             )
         )
         self._covered = list(messages)
-        return token_ids.snapshot()
+        return token_ids
 
     async def _continuation(self, messages: list[dict]) -> tuple[list[int] | tuple[CutReason, str], bytes | None]:
         """The tokens that follow the last completion: the template's end of turn (less what the model
