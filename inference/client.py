@@ -103,6 +103,8 @@ class Choice:
 class ChatResult:
     endpoint: str
     model: str
+    # With a token prompt, the very list the caller sent (not a copy): an exact turn's is its trajectory's,
+    # which grows after the turn, so read it before then.
     prompt_token_ids: list[int] | None
     prompt_tokens: int
     choices: list[Choice]

@@ -54,9 +54,10 @@ class ConnectRefused(TransportError):
 
 class JsonList(list):
     """A list that keeps its own JSON as it grows: an exact attempt's prompt is thousands of ids, sent
-    once a turn and written again in each turn's record, and serialising them again each time took
-    ~9% of the service's CPU at bench/ceiling.py's ceiling. Appended to with `grow` and `repeat`
-    (which write the new items' JSON once); copies share what was written.
+    once a turn and written again in the group's result (in each turn's record too, until 2026-12-03),
+    and serialising them again each time took ~9% of the service's CPU at bench/ceiling.py's ceiling.
+    Appended to with `grow` and `repeat` (which write the new items' JSON once); copies share what was
+    written.
 
     A list changed with list methods is written as a plain list (each of them marks it so) until its
     next `grow` or `repeat`, which writes its JSON again. Anything that reads a list can read one."""

@@ -165,9 +165,9 @@ class Turn(BaseModel):
     # Exactly what the model server generated from and produced; None where it did not return them.
     prompt_token_ids: list[int] | None = Field(
         None,
-        description="the ids the turn was generated from; null in exact mode, where they are its segment up to "
-        "its span (Attempt.turn_prompt_ids): repeated in every turn, they made a group's JSON grow with the "
-        "square of an episode's length",
+        description="the ids the turn was generated from; null on the policy's exact turns (those with a "
+        "`segment`), where they are that segment up to the turn's span (Attempt.turn_prompt_ids): repeated in "
+        "each such turn, they were most of a group's JSON",
     )
     completion_token_ids: list[int] | None = None
     logprobs: list[float] | None = None
@@ -276,7 +276,9 @@ class Attempt(BaseModel):
         if record.prompt_token_ids is not None or record.segment is None or self.trajectory is None:
             return record.prompt_token_ids
         segment = self.trajectory[record.segment]
-        span = next(s for s in segment.turns if s.turn == record.index)
+        span = next((s for s in segment.turns if s.turn == record.index), None)
+        if span is None:
+            raise ValueError(f"turn {record.index} has no span in segment {record.segment} of attempt {self.index}")
         return segment.token_ids[: span.start]
 
 

@@ -108,6 +108,40 @@ def test_an_env_answer_that_breaks_the_contract_is_a_typed_failure():
     assert err.value.kind == "env_bad_answer" and err.value.retryable
 
 
+def test_a_token_prompt_completion_sends_the_turns_sampling_seed_included():
+    """Exact turns' side of test_a_seed_sends_the_documented_seed_per_attempt_and_turn (tests/
+    test_service.py, which sees chat requests: the scripted model has no /tokenize): the runner works
+    out a turn's sampling once for both paths, and `complete` must send it as given, with the prompt
+    ids and vLLM's flags for ids and logprobs (a stand-in transport: vLLM does not echo a seed).
+    Break tried: the sampling left out of complete's body -> no seed sent, fails."""
+    import asyncio
+
+    from inference.client import ChatClient
+
+    bodies: list[dict] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        choice = {"index": 0, "text": "ok", "finish_reason": "stop",
+                  "logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.1]}}  # fmt: skip
+        return httpx.Response(200, json={"choices": [choice], "usage": {"prompt_tokens": 3}})
+
+    async def complete() -> None:
+        client = ChatClient(["http://model"], transport=httpx.MockTransport(handle))
+        try:
+            sampling = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 5, "seed": 8241, "stop": None}
+            await client.complete(model="m", prompt_token_ids=[1, 2, 3], sampling=sampling)
+        finally:
+            await client.aclose()
+
+    asyncio.run(complete())
+    [body] = bodies
+    assert body["prompt"] == [1, 2, 3] and body["model"] == "m"
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"]) == (0.7, 0.9, 5, 8241)
+    assert "stop" not in body  # None is not sent: the server's default holds
+    assert body["return_tokens_as_token_ids"] is True and body["logprobs"] == 0
+
+
 def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
     """The model's side: a /v1/completions answer must be for the prompt ids sent (the server's count of
     them, and any echo of them, agree), and its tokens must be the ids asked for ("token_id:<id>"),

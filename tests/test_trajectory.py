@@ -100,8 +100,11 @@ def test_turns_continue_the_sampled_tokens_exactly(exact_run):
     """Within a segment, every turn's prompt is the previous prompt, then the previous completion's
     own ids, then the env's tokens: nothing sampled is tokenized again (in chat mode 19 of 46
     consecutive pairs were not). The oracles: the tokenizer's own chat template render of each turn's
-    messages, and vLLM's count of the prompt tokens it generated from. Break tried: prompt ids written
-    into exact turns again -> fails (they are null, read from the trajectory)."""
+    messages, and vLLM's count of the prompt tokens it generated from; that the segment's ids are the
+    very context the model saw is test_logprobs_without_a_constraint_agree_with_transformers's (a
+    recomputation from them). Breaks tried: prompt ids written into exact turns again -> fails (they are
+    null, read from the trajectory); Attempt.turn_prompt_ids reading segment 0's first span whatever
+    the turn -> fails."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir())
@@ -120,6 +123,7 @@ def test_turns_continue_the_sampled_tokens_exactly(exact_run):
             rendered = tokenizer.apply_chat_template(turn["messages"], tokenize=False, add_generation_prompt=True)
             assert tokenizer.decode(prompt) == rendered, (attempt["index"], turn["index"])
             assert turn["prompt_tokens"] == len(prompt), (attempt["index"], turn["index"])
+            assert Attempt.model_validate(attempt).turn_prompt_ids(turn["index"]) == prompt
         for before, after in zip(turns, turns[1:], strict=False):
             if before["segment"] == after["segment"]:
                 pairs += 1
@@ -233,6 +237,10 @@ def test_trainer_shapes(exact_run):
         segment = a.trajectory[0]
         assert prompt + completion == segment.token_ids
         assert prompt == a.turn_prompt_ids(0) == segment.token_ids[: segment.turns[0].start]
+        spanless = a.model_copy(deep=True)
+        spanless.trajectory[0].turns = spanless.trajectory[0].turns[1:]
+        with pytest.raises(ValueError, match="has no span"):
+            spanless.turn_prompt_ids(0)
         assert len(lps) == len(mask) == len(completion)
         assert sum(mask) == sum(len(t.completion_token_ids) for t in a.turns if t.stage in POLICY_STAGES)
     batch = token_batch([*attempts, failed], pad_token_id=0)

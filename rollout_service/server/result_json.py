@@ -6,10 +6,10 @@ each model's fields under their aliases, as `model_dump_json(by_alias=True)` wou
 for byte in tests/test_trajectory.py), and pydantic itself writes whatever orjson cannot (say, an
 int over 64 bits). Here, not in the protocol, because a trainer installs no orjson.
 
-Most of a group is its turns' prompts and its trajectories' arrays. Those the service builds are
-JsonLists (inference/transport.py), which kept their JSON as they grew: they are copied into the
-result as written, not serialised again (a group's JSON took ~9% of the service's CPU at the
-ceiling before, 2026-12-02). Bytes, not str: the stream and the run log send them as they are.
+Most of a group is its trajectories' arrays and its turns' ids and messages. The arrays and ids
+the service builds are JsonLists (inference/transport.py), which kept their JSON as they grew: they
+are copied into the result as written, not serialised again (a group's JSON took ~9% of the
+service's CPU at the ceiling before, 2026-12-02). Bytes, not str: the stream and the run log send them as they are.
 """
 
 from __future__ import annotations
