@@ -9,8 +9,9 @@ naive     groups/s of the service vs the env's own client pattern (one group at 
           and 200 ms, with env pool utilisation for both
 pool32    at pool 32, n=8: the service vs the naive driver, next to vLLM's own bound for the same
           turn mix at concurrency 8 and 32 (episodes always in flight, no group barrier), with the
-          service's attempts broken down (queued / inference / env) and the pool's idle fraction
-          (run by name: `compare.py --vllm URL pool32`)
+          service's attempts broken down (queued / inference / env) and the pool's idle fraction,
+          split into idle while attempts waited for a world and idle in the batch's tail (both
+          sides; from the env's counters) (run by name: `compare.py --vllm URL pool32`)
 scaling   groups/s and service CPU per env step as concurrent groups grow 1 -> 64
 memory    service RSS with 10,000 attempts queued for worlds
 
@@ -266,19 +267,68 @@ def vllm_bound(stack: Stack, vllm: str, tasks: list[str], concurrency: int, seco
     }
 
 
+class PoolIdle:
+    """Where a pool's idle world-time went while `run` ran, from the env's own counters sampled every
+    0.1 s (GET /health: worlds leased, episodes started): idle while some of the run's attempts had
+    not started yet (the time between an episode's end and the next reset, or a pool the driver
+    does not fill) against idle once every attempt had (the batch's tail). `gap_s`: the first per
+    episode started meanwhile, the mean time a world sat idle before its next reset."""
+
+    def __init__(self, stack: Stack, attempts: int) -> None:
+        self.stack, self.attempts = stack, attempts
+        self.stop = threading.Event()
+        self.waiting = self.tail = 0.0  # idle world-seconds
+        self.started_while_waiting = 0
+
+    def __enter__(self) -> PoolIdle:
+        first = self.stack.env_health()
+        self.base = first["episodes"]["started"]
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _sample(self) -> None:
+        last = time.monotonic()
+        while not self.stop.wait(0.1):
+            health = self.stack.env_health()
+            now, started = time.monotonic(), health["episodes"]["started"] - self.base
+            idle = max(0, self.stack.pool - health["leased"]) * (now - last)
+            if started < self.attempts:
+                self.waiting += idle
+                self.started_while_waiting = started
+            else:
+                self.tail += idle
+            last = now
+
+    def shares(self, wall: float) -> dict:
+        total = self.stack.pool * wall
+        return {
+            "idle_while_attempts_waited": round(self.waiting / total, 3),
+            "idle_in_tail": round(self.tail / total, 3),
+            "gap_s": round(self.waiting / max(self.started_while_waiting, 1), 2),
+        }
+
+
 def bench_pool32(
     vllm: str, groups: int = 8, n: int = 8, pool: int = 32, max_tokens: int = 32, bound_s: float = 60.0
 ) -> dict:
     """The service against the naive driver at pool 32, n=8, next to vLLM's own bound at concurrency
     8 (what the naive driver can use) and 32 (what the pool allows), with the service's attempts
-    broken down (queued for a world, in inference, in the env) and the pool's idle fraction."""
+    broken down (queued for a world, in inference, in the env) and each side's pool idle time split
+    (PoolIdle)."""
     out: dict = {"groups": groups, "n": n, "pool": pool, "max_tokens": max_tokens}
     with Stack(vllm, pool=pool) as stack:
         tasks = stack.tasks(groups)
         out["vllm_bound"] = [vllm_bound(stack, vllm, tasks, c, bound_s, max_tokens) for c in (min(n, pool), pool)]
-        out["naive"] = stack.timed(
-            lambda: sum(naive_group(stack.env_url, vllm, t, n, pool, max_tokens) for t in tasks), groups
-        )
+        with PoolIdle(stack, groups * n) as naive_idle:
+            out["naive"] = stack.timed(
+                lambda: sum(naive_group(stack.env_url, vllm, t, n, pool, max_tokens) for t in tasks), groups
+            )
+        out["naive"]["idle"] = naive_idle.shares(out["naive"]["wall_s"])
         attempts: list[dict] = []
 
         def service() -> int:
@@ -289,7 +339,9 @@ def bench_pool32(
             attempts.extend(a for g in results for a in g["attempts"])
             return sum(g["completion_tokens"] for g in results)
 
-        out["service"] = stack.timed(service, groups)
+        with PoolIdle(stack, groups * n) as service_idle:
+            out["service"] = stack.timed(service, groups)
+        out["service"]["idle"] = service_idle.shares(out["service"]["wall_s"])
         out["service"]["max_leased"] = stack.env_health()["max_leased"]
         total = sum(a["timings"]["total_s"] for a in attempts) or 1.0
         out["service"]["attempt_time_share"] = {
