@@ -138,7 +138,9 @@ def test_attempt_timeout_and_max_turns_abandon_their_episodes(start_refenv, star
     # A deadline is the policy's failure: it earns policy_failure_reward (0.0 by default).
     assert all(a["failure"]["kind"] == "deadline" and a["reward"] == 0.0 for a in g["attempts"])
     assert g["counts"]["scored"] == 0 and g["counts"]["policy_failed"] == 2 and g["mean"] == 0.0
-    assert wait_until(lambda: env.health()["leased"] == 0, 3)
+    # Loose, so a loaded CI machine does not decide it: an episode left unabandoned stays leased for
+    # refenv's idle deadline (300 s).
+    assert wait_until(lambda: env.health()["leased"] == 0, 10)
     assert env.health()["episodes"]["abandoned"] == 2
 
 
