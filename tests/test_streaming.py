@@ -55,3 +55,64 @@ def test_groups_cancelled_by_shutdown_get_error_lines(start_refenv, start_servic
         assert "group" not in item and item["error"]["error"] == "cancelled" and item["error"]["message"]
     assert wait_until(lambda: env.health()["leased"] == 0, 10)
     assert env.health()["episodes"]["abandoned"] == 2
+
+
+def test_the_http_layer_keeps_no_group_once_it_is_sent(start_refenv, start_scripted_model, tmp_path):
+    """Memory stays bounded over a multi-day run only if nothing keeps a group once it is sent: not
+    the runner (tests/test_runner_faults.py), and not the HTTP layer around it either (POST /groups,
+    the batch stream, the run log). The app runs in this process (TestClient serves it from a
+    thread), so the garbage collector sees its objects. The oracle is its own object list: no
+    attempt, turn or result alive, and no container anywhere holding a text or bytes with one of the
+    groups' ids (results travel as bytes, which the collector does not list themselves).
+    The scripted model, so that every attempt takes a known path (a query, then an answer: scored);
+    the real one's episodes end after any number of turns, or none scored. It found the run log's
+    writer keeping its last batch while it waited for the next. Breaks tried: every streamed line
+    kept in a module-level list in api.py -> fails, naming the list; the writer's fix undone -> fails."""
+    import gc
+    import uuid
+    from collections import deque
+
+    from starlette.testclient import TestClient
+
+    from rollout_service.protocol import Attempt, GroupResult, Turn
+    from rollout_service.server.app import create_app
+    from rollout_service.server.config import ServiceConfig
+
+    model = start_scripted_model("sql-then-answer", "--sql-turns", "1")
+    env = start_refenv("--pool", "4")
+    marker = f"kept-{uuid.uuid4().hex}"
+    config = ServiceConfig(env=[env.url], vllm=[model.url], model="scripted", runs_dir=str(tmp_path), run_id="r")
+
+    def group(i: int) -> dict:
+        return {"task_id": "t005", "n": 2, "group_id": f"{marker}-{i}", "sampling": SQL_ONCE}
+
+    sent = 0
+    with TestClient(create_app(config)) as client:
+        assert wait_until(lambda: client.get("/health").json()["status"] == "ok", 60)
+        for i in range(3):
+            answer = client.post("/groups", json=group(i))
+            assert answer.status_code == 200, answer.text
+            sent += answer.json()["counts"]["scored"]
+        with client.stream("POST", "/groups/batch", json={"groups": [group(i) for i in range(3, 9)]}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.strip():
+                    sent += json.loads(line)["group"]["counts"]["scored"]
+        assert sent == 18, "every attempt scored (two turns each), so each group is a whole one"
+        log = tmp_path / "r.jsonl"
+        assert wait_until(lambda: log.exists() and log.read_text().count(marker) == 9, 10)
+        del answer, response, line
+
+        gc.collect()
+        # By type, through the base classes' own methods: other objects in this process (a lazy
+        # mapping of transformers') run code of their own when asked for their items.
+        results = [type(o).__name__ for o in gc.get_objects() if issubclass(type(o), Attempt | Turn | GroupResult)]
+        assert not results, f"{len(results)} result objects alive after their groups were sent"
+        text, raw = marker, marker.encode()  # names, not a container the scan would find
+        holders = []  # what holds one, with the id left out (so this list holds none)
+        for o in gc.get_objects():
+            kind = next((k for k in (dict, list, tuple, deque, set, frozenset) if issubclass(type(o), k)), None)
+            items = () if kind is None else dict.values(o) if kind is dict else kind.__iter__(o)
+            if any(raw in x if type(x) in (bytes, bytearray) else type(x) is str and text in x for x in items):
+                holders.append(f"{type(o).__name__}: {kind.__repr__(o).replace(text, '<id>')[:300]}")
+        assert not holders, holders

@@ -73,6 +73,7 @@ class RunLog:
                     log.error("run log: %s; %d group(s) lost from the log", self.error, len(batch))
             if done:
                 return
+            del lines, batch  # not kept while the next group is awaited: an idle writer holds none
 
     def _write(self, lines: list[bytes]) -> None:
         with open(self.path, "a+b") as f:
