@@ -19,12 +19,17 @@ def http_url(url: str) -> str:
     if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
         raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
     try:
-        port = httpx.URL(url).port
+        parsed = httpx.URL(url)
+        port = parsed.port
     except (httpx.InvalidURL, ValueError) as exc:
         raise ValueError(f"{url!r} is not a valid URL: {exc}") from None
+    if parsed.userinfo:
+        # A URL is shown in /envs, /health/detail, logs and metrics labels; a model server's key
+        # goes in api-key-env.
+        raise ValueError("a URL with credentials (user:password@) would show them wherever it is shown: leave them out")
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"{url!r} is not a valid URL: port {port} is out of range")
-    return str(httpx.URL(url))  # one spelling per server (scheme and host in lower case)
+    return str(parsed)  # one spelling per server (scheme and host in lower case)
 
 
 REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles

@@ -77,8 +77,11 @@ def test_an_env_added_under_load_takes_queued_attempts_and_removing_it_cuts_noth
 def test_removing_the_only_env_of_its_tasks_fails_queued_attempts_and_abandons_nothing(
     start_refenv, start_service, start_scripted_model
 ):
-    """Break tried: the scheduler's remove_env leaving the orphaned waiters queued -> the group never
-    answers (fails at the join)."""
+    """While its every env drains, a task's queued attempts wait (an env added for it would take them)
+    and /health says so; at the removal they end as env_no_world, and a service left with no env says
+    that. Breaks tried: the scheduler's remove_env leaving the orphaned waiters queued -> the group
+    never answers (fails at the join); no reason for the draining task -> fails at `degraded`; the
+    removed env's metrics series kept -> fails at its check."""
     model = start_scripted_model("sql-then-answer", "--sql-turns", "1", "--delay", "0.5")
     a = start_refenv("--pool", "1")
     service = start_service([a.url], vllm=model.url, model="scripted")
@@ -95,6 +98,11 @@ def test_removing_the_only_env_of_its_tasks_fails_queued_attempts_and_abandons_n
             assert [e.draining for e in client.envs()] == [True]
             refused = httpx.post(f"{service.url}/groups", json=body, timeout=30)
             assert refused.status_code == 503 and refused.json()["error"] == "envs_draining"
+            assert detail(service)["attempts_waiting_for_a_world"] == 2  # they wait: nothing is lost yet
+            assert httpx.get(f"{service.url}/health", timeout=10).json()["status"] == "degraded"
+            reasons = detail(service)["reasons"]
+            assert any("draining envs: t001," in r for r in reasons), reasons  # refenv serves t001 first
+            assert f'rollout_episodes_in_flight{{env="{a.url}"}} 1.0' in httpx.get(f"{service.url}/metrics").text
 
             removed = client.remove_env(a.url, timeout_s=60)
             assert "t001" in removed.tasks_no_longer_served
@@ -111,6 +119,9 @@ def test_removing_the_only_env_of_its_tasks_fails_queued_attempts_and_abandons_n
         unknown = httpx.post(f"{service.url}/groups", json=body, timeout=30)
         assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_task"
         assert client.tasks() == [] and client.envs() == []
+        alone = detail(service)
+        assert alone["status"] == "degraded" and any(r.startswith("no env") for r in alone["reasons"]), alone
+        assert a.url not in httpx.get(f"{service.url}/metrics").text  # no series stays at 0 for a removed env
         with pytest.raises(RequestRejected) as gone:
             client.remove_env(a.url)
         assert gone.value.status == 404 and gone.value.error == "unknown_env"
@@ -119,6 +130,33 @@ def test_removing_the_only_env_of_its_tasks_fails_queued_attempts_and_abandons_n
         # The env comes back: the service schedules on it again and its tasks are served.
         back = client.add_env(a.url)
         assert back.tasks > 0 and client.group(body).counts.scored == 3
+        assert wait_until(lambda: detail(service)["status"] == "ok", 10), detail(service)["reasons"]
+
+
+def test_an_env_under_a_second_name_is_refused(start_refenv, start_service, start_scripted_model):
+    """One refenv reached as 127.0.0.1, localhost or 127.1 is one pool: scheduled twice, the service
+    would hold twice its worlds (the env parks the resets it has no world for: its `max_waiting`,
+    which the fixture checks at teardown). Refused when added and at start; a URL with credentials is
+    refused too (it would be shown in /envs and the metrics). Break tried: _same_server answering
+    None -> localhost is added (fails at 409), and the service starts with both names."""
+    model = start_scripted_model("sql-then-answer", "--sql-turns", "1")
+    a = start_refenv("--pool", "2")
+    port = a.url.rsplit(":", 1)[1]
+    service = start_service([a.url], vllm=model.url, model="scripted")
+    for alias in (f"http://localhost:{port}", f"http://127.1:{port}/"):
+        added = httpx.post(f"{service.url}/envs", json={"url": alias}, timeout=30)
+        assert added.status_code == 409 and added.json()["error"] == "env_present", (alias, added.text)
+        assert "another name" in added.json()["message"] and a.url in added.json()["message"]
+    secret = httpx.post(f"{service.url}/envs", json={"url": f"http://user:hunter2@127.0.0.1:{port}"}, timeout=30)
+    assert secret.status_code == 422 and "credentials" in secret.text and "hunter2" not in secret.text
+    assert [e["url"] for e in httpx.get(f"{service.url}/envs").json()] == [a.url]
+    group = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 4, "sampling": SAMPLING}, timeout=60)
+    assert group.json()["counts"]["scored"] == 4 and a.health()["max_leased"] <= 2
+
+    twice = start_service([a.url, f"http://localhost:{port}"], vllm=model.url, model="scripted", wait=False)
+    twice.proc.proc.wait(60)
+    log = twice.proc.log_path.read_text()
+    assert twice.proc.proc.returncode != 0 and "under another name" in log and "Traceback" not in log, log
 
 
 def stats(model) -> dict:

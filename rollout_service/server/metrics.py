@@ -57,6 +57,13 @@ class Metrics:
             "rollout_policy_update_seconds", "Policy updates, by kind", ["kind"], buckets=_LATENCY_BUCKETS, registry=r
         )
 
+    def forget_env(self, url: str) -> None:
+        """An env removed: its series goes (it held no episode), rather than staying at 0 for ever."""
+        try:
+            self.episodes_in_flight.remove(url)
+        except KeyError:  # no episode ever ran there
+            pass
+
     def completion_done(self, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
         self.inference_latency.observe(seconds)
         self._prompt_tokens.inc(prompt_tokens)

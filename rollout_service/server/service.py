@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+import httpx
 
 from inference.client import ChatClient, Endpoint, InferenceError, InferenceUnreachable
 from inference.weights import WeightsClient
@@ -105,6 +108,9 @@ class RolloutService:
         self.startup_failure: str | None = None
         self.started_waiting_reported = False
         self._adding: set[str] = set()  # envs being added (POST /envs), not yet scheduled
+        # Where each env's URL connects (see _server_addresses): one server under two names would
+        # be scheduled as two pools, holding twice its worlds.
+        self._env_addresses: dict[str, frozenset[tuple[str, int, str]]] = {}
 
     # -- start and stop ---------------------------------------------------------------------
 
@@ -223,10 +229,22 @@ class RolloutService:
         """Wait for the env at `url`, check it, and add it with its tasks (refusing at once an env
         whose rewards are not comparable with an env found before it, whatever else is awaited)."""
         found = await self._until_ready(f"env {url}", functools.partial(_ask_env, url, client))
+        addresses = await _server_addresses(url)
         env = _checked_env(found, client)
         self._refuse_incomparable(env, found.tasks)
+        if other := self._same_server(url, addresses):
+            raise StartupError(f"{other}: give each env once")
+        self._env_addresses[url] = addresses
         self.envs[url] = env
         self._index_tasks(env, found.tasks)
+
+    def _same_server(self, url: str, addresses: frozenset[tuple[str, int, str]]) -> str | None:
+        """Why `url` is an env scheduled already under another name, or None."""
+        for other, known in self._env_addresses.items():
+            if other != url and (shared := addresses & known):
+                host, port, path = min(shared)
+                return f"env {url} is env {other} under another name (both reach {host}:{port}{path})"
+        return None
 
     def _refuse_incomparable(self, env: EnvHandle, tasks: list[EnvTask]) -> None:
         """IncomparableEnv if a task of `env` is served already with another dataset or reward version,
@@ -281,6 +299,8 @@ class RolloutService:
                 found = await asyncio.wait_for(
                     _ask_until_ready(functools.partial(_ask_env, url, client)), body.timeout_s
                 )
+                addresses = await _server_addresses(url)
+                # No await from here to its scheduling: the checks hold against envs added meanwhile.
                 env = _checked_env(found, client)
                 self._refuse_incomparable(env, found.tasks)
             except TimeoutError:
@@ -293,11 +313,14 @@ class RolloutService:
                 raise RequestRefused(422, "env_refused", str(exc)) from None
             if self.closing:
                 raise shutting_down()
+            if other := self._same_server(url, addresses):
+                raise RequestRefused(409, "env_present", f"{other}: its pool would be held twice")
         except BaseException:
             self._adding.discard(url)
             await client.aclose()
             raise
         self._adding.discard(url)
+        self._env_addresses[url] = addresses
         self.envs[url] = env
         self._index_tasks(env, found.tasks)
         serves = {(t.task_id, True) for t in found.tasks}
@@ -339,6 +362,8 @@ class RolloutService:
             raise RequestRefused(404, "unknown_env", f"env {env.url} was removed meanwhile")
         self.scheduler.remove_env(env.url)
         del self.envs[env.url]
+        self._env_addresses.pop(env.url, None)
+        self.metrics.forget_env(env.url)
         gone = []
         for task_id, target in list(self.targets.items()):
             if env in target.envs:
@@ -642,8 +667,25 @@ class RolloutService:
             return "failed" if self.startup_failure else "starting"
         ok = self.monitor.all_ok() and (self.run_log is None or self.run_log.error is None)
         routed = all(e.excluded is None or e.draining for e in self.policy.client.endpoints)
-        ok = ok and routed and not self.versions.paused
+        ok = ok and routed and not self.versions.paused and not self._unserved()
         return "ok" if ok else "degraded"
+
+    def _unserved(self) -> list[str]:
+        """What the envs present cannot serve: nothing at all, or tasks whose every env drains (their
+        queued attempts wait for an env added for them, or end when the drained one is removed)."""
+        if not self.envs:
+            return ["no env: every env was removed (POST /envs adds one)"]
+        if not any(env.slots.draining for env in self.envs.values()):
+            return []
+        stranded = [t.task_id for t in self.targets.values() if all(env.slots.draining for env in t.envs)]
+        if not stranded:
+            return []
+        named = ", ".join(stranded[:5]) + (f" and {len(stranded) - 5} more" if len(stranded) > 5 else "")
+        return [
+            f"tasks served only by draining envs: {named}. Their queued attempts wait until an env serving "
+            "them is added (POST /envs) or end as env_no_world when the drained env is removed; new groups "
+            "for them get 503 envs_draining"
+        ]
 
     @property
     def ready(self) -> bool:
@@ -729,6 +771,7 @@ class RolloutService:
             reasons.append(f"policy replicas held paused by POST /policy/pause for {held:.0f}s: no turn starts")
         if run_log and run_log["error"]:
             reasons.append(f"run log: {run_log['error']}")
+        reasons += self._unserved()
         return {
             "status": self.status(),
             "reasons": reasons,
@@ -812,6 +855,23 @@ async def _ask_until_ready(probe: Callable[[], Awaitable[T]], waiting: Callable[
                 waiting(str(exc))
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+async def _server_addresses(url: str, timeout_s: float = 10.0) -> frozenset[tuple[str, int, str]]:
+    """Where `url` connects: (address, port, path) for each address its host resolves to, so that two
+    spellings of one server (localhost and 127.0.0.1, 127.1, a second DNS name) share one. Empty
+    where the host does not resolve in time: then nothing is compared (it answered under its URL)."""
+    parsed = httpx.URL(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    loop = asyncio.get_running_loop()
+    try:
+        found = await asyncio.wait_for(loop.getaddrinfo(parsed.host, port, type=socket.SOCK_STREAM), timeout_s)
+    except (OSError, UnicodeError, TimeoutError):
+        return frozenset()
+    # A client connecting to the unspecified address reaches this host's loopback.
+    loopback = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    path = parsed.path.rstrip("/")
+    return frozenset((loopback.get(str(info[4][0]), str(info[4][0])), port, path) for info in found)
 
 
 def _checked_env(found: _Discovered, client: EnvClient) -> EnvHandle:
