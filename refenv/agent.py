@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from .grading import EpisodeRecord
 from .tasks import Task
+from .text import loads_clean
 from .world import SCHEMA_DESCRIPTION, QueryError, World
 
 ACTION_SCHEMA = {
@@ -74,7 +75,7 @@ def _response_format(name: str, schema: dict) -> dict:
 def parse_action(text: str) -> tuple[str, str] | None:
     """(action, input) from a completion, or None when it is not a valid action."""
     try:
-        obj = json.loads(text)
+        obj = loads_clean(text)  # an escaped lone surrogate would fail SQLite, or the answer's echo
     except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(obj, dict):
@@ -156,7 +157,7 @@ async def run_agent(
         messages.append({"role": "user", "content": "You are out of turns. Give your final answer now."})
         reply = await call("finalize", messages, _response_format("answer", ANSWER_SCHEMA), ask)
         try:
-            obj = json.loads(reply.text)
+            obj = loads_clean(reply.text)
             record.answer = obj.get("answer") if isinstance(obj, dict) and isinstance(obj.get("answer"), str) else None
         except (json.JSONDecodeError, RecursionError):
             record.answer = None

@@ -113,9 +113,9 @@ class EpisodeTable:
     async def step(self, episode_id: str, reply: Reply) -> dict:
         episode = self._live.get(episode_id)
         if episode is None:
-            raise ContractError(410, "episode_gone", f"episode {episode_id} has ended or was reclaimed")
+            raise ContractError(410, "episode_gone", f"episode {episode_id!r} has ended or was reclaimed")
         if not episode.awaiting:
-            raise ContractError(409, "nothing_awaiting", f"episode {episode_id} is not waiting for a completion")
+            raise ContractError(409, "nothing_awaiting", f"episode {episode_id!r} is not waiting for a completion")
         self.counters.steps += 1
         self._touch(episode)
         episode.deliver(reply)
@@ -124,7 +124,7 @@ class EpisodeTable:
     async def abandon(self, episode_id: str) -> dict:
         episode = self._live.get(episode_id)
         if episode is None or not await self._end(episode):
-            raise ContractError(410, "episode_gone", f"episode {episode_id} has already ended")
+            raise ContractError(410, "episode_gone", f"episode {episode_id!r} has already ended")
         self.counters.abandoned += 1
         return {"episode_id": episode_id, "done": True, "status": "abandoned"}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from typing import TypeVar
 
@@ -22,6 +21,7 @@ from .episodes import ContractError, EpisodeTable, SupportModelError
 from .grading import PROFILES, REWARD_VERSION, EpisodeRecord, failure_score, grade
 from .support import SupportModel
 from .tasks import Task
+from .text import loads_clean
 from .world import WorldPool, catalog_hash, table_rows
 
 MAX_BODY_BYTES = 1 << 20
@@ -59,7 +59,8 @@ _B = TypeVar("_B", bound=_Body)
 
 
 async def _read_json(request: Request, model: type[_B]) -> _B:
-    """Decode a body as GraphJin does: capped at 1 MiB, empty means defaults, extras ignored."""
+    """Decode a body as GraphJin does: capped at 1 MiB, empty means defaults, extras ignored; a lone
+    surrogate in a string becomes U+FFFD (`clean_text`)."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -68,7 +69,9 @@ async def _read_json(request: Request, model: type[_B]) -> _B:
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        data = json.loads(raw) if raw.strip() else {}
+        # Cleaned here, before any handler keeps or echoes a string: a completion holding a lone
+        # surrogate would otherwise be applied, then fail this answer and every later one (500).
+        data = loads_clean(raw) if raw.strip() else {}
     except (ValueError, RecursionError) as exc:
         raise ContractError(400, "invalid_body", f"body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):

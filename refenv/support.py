@@ -6,6 +6,7 @@ import httpx
 
 from .agent import Reply
 from .episodes import SupportModelError
+from .text import clean_text
 
 
 class SupportModel:
@@ -24,7 +25,7 @@ class SupportModel:
         try:
             response = await self._client.post(f"{self.base_url}/v1/chat/completions", json=body)
             response.raise_for_status()
-            data = response.json()
+            data = clean_text(response.json())  # its text is echoed and run like a driver's completion
             text = data["choices"][0]["message"]["content"] or ""
             usage = data.get("usage") or {}
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:

@@ -36,6 +36,7 @@ from starlette.routing import Route
 from .agent import parse_action
 from .config import TaskSuite, TeacherSettings
 from .tasks import Task
+from .text import loads_clean
 
 MAX_BODY_BYTES = 4 << 20
 MAX_CHOICES = 64
@@ -164,7 +165,7 @@ async def _read_body(request: Request) -> dict:
             raise TeacherError(400, f"request body exceeds {MAX_BODY_BYTES >> 20} MiB")
         chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
+        data = loads_clean(b"".join(chunks))  # its text is echoed: a lone surrogate would fail the answer
     except (ValueError, RecursionError) as exc:
         raise TeacherError(400, f"body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):

@@ -7,7 +7,7 @@ import threading
 
 import httpx
 import pytest
-from helpers import wait_until
+from helpers import assert_env_accounted, wait_until
 
 SQL = lambda q: json.dumps({"action": "sql", "input": q})
 ANSWER = lambda a: json.dumps({"action": "answer", "input": a})
@@ -299,3 +299,55 @@ def test_split_by_family_is_disjoint_and_deterministic(start_refenv):
     assert evals.health()["capabilities"]["side"] == "eval"
     again = start_refenv("--split", "auto:0.8", "--side", "eval")
     assert httpx.get(f"{again.url}/tasks").json()["tasks"] == e
+
+
+def test_text_with_a_lone_surrogate_is_answered_in_json_and_the_episode_goes_on(start_refenv):
+    """A lone UTF-16 surrogate (a JSON escape such as `\\ud800`, which a model can emit) in any text
+    a client sends is taken as U+FFFD: never a 500, in the completion itself, inside the completion's
+    action (run as SQL, or the answer), or in an id; the episode steps on, ends, and is counted.
+    Break tried: `_read_json` decoding with `json.loads` instead of `loads_clean` -> the first /step
+    answers a plain-text 500 (and every later one on the episode too); `parse_action` with
+    `json.loads` -> the escaped SQL fails the episode (500 episode_failed); `episode_gone`'s message
+    formatting the id without `!r` -> the message check fails."""
+    env = start_refenv("--pool", "4")
+    send = lambda method, path, body: httpx.request(
+        method,
+        f"{env.url}{path}",
+        content=json.dumps(body),
+        timeout=30,  # ASCII JSON: the surrogate escaped
+    )
+
+    def answered(r: httpx.Response, status: int = 200) -> dict:
+        assert r.status_code == status, (r.status_code, r.text)
+        assert r.headers["content-type"] == "application/json", r.text
+        return r.json()
+
+    task = task_by_family(env.url, "count-table")  # four turns: room for three steps before the finalize
+    eid = answered(send("POST", "/step/reset", {"task_id": task["task_id"]}))["episode_id"]
+    obs = answered(send("POST", "/step", {"episode_id": eid, "completion": "\ud800 x"}))["observation"]
+    assert obs["messages"][-2] == {"role": "assistant", "content": "\ufffd x"}  # kept, then called malformed
+    # It is in every later observation's messages: the next steps must still encode.
+    obs = answered(send("POST", "/step", {"episode_id": eid, "completion": SQL("SELECT 'a\ud800b'")}))["observation"]
+    assert obs["messages"][-1]["content"] == "Result:\n'a\ufffdb'\na\ufffdb"
+    obs = answered(send("POST", "/step", {"episode_id": eid, "completion": "x"}))["observation"]
+    assert obs["stage"] == "executor"
+    assert answered(send("DELETE", f"/step/{eid}", None)) == {"episode_id": eid, "done": True, "status": "abandoned"}
+
+    eid = answered(send("POST", "/step/reset", {}))["episode_id"]
+    final = answered(send("POST", "/step", {"episode_id": eid, "completion": ANSWER("\ud800")}))
+    assert final["done"] is True and final["answer"] == "\ufffd"
+
+    # Ids and names are echoed in the errors: contract-shaped answers, not 500s.
+    gone = answered(send("POST", "/step", {"episode_id": "\ud800", "completion": "x"}), 410)
+    assert gone["error"] == "episode_gone" and "'\ufffd'" in gone["message"]
+    assert answered(httpx.delete(f"{env.url}/step/%ED%A0%80"), 410)["error"] == "episode_gone"
+    for body in ({"task_id": "\ud800"}, {"slug": "\udfff"}):
+        assert answered(send("POST", "/step/reset", body), 404)["error"] == "unknown_task"
+    assert answered(send("POST", "/step/reset", {"reward_profile": "\ud800"}), 400)["error"] == "invalid_reward_profile"
+    assert answered(send("POST", "/episodes", {"task_id": "\ud800"}), 409)["error"] == "step_mode"
+
+    health = env.health()
+    assert_env_accounted(health)
+    assert health["episodes"]["finished"] == 1 and health["episodes"]["abandoned"] == 1
+    assert health["episodes"]["failed"] == 0 and health["live_episodes"] == 0 and health["leased"] == 0
+    assert health["steps"] == 4

@@ -233,6 +233,23 @@ def test_the_teacher_answers_openai_shape_and_refuses_the_rest(start_refenv, sta
     assert refused(httpx.get(url), 405, "MethodNotAllowedError")
 
 
+def test_the_teacher_answers_text_with_a_lone_surrogate(start_refenv, start_teacher):
+    """The teacher echoes a client's text (the model's name, the responder's answer): a lone surrogate
+    in it is taken as U+FFFD, not a 500. Break tried: `_read_body` decoding with `json.loads` instead
+    of `loads_clean` -> both requests get a plain-text 500."""
+    env, teacher = start_refenv("--pool", "1"), start_teacher()
+    prompt = tasks_of(env.url)[0]["prompt"]
+    url = f"{teacher.url}/v1/chat/completions"
+    responder = [
+        {"role": "system", "content": "Phrase the answer below for the user in one short sentence."},
+        {"role": "user", "content": f"Question: {prompt}\nAnswer: \ud800"},
+    ]
+    said = httpx.post(url, content=json.dumps({"model": NAME, "messages": responder}), timeout=30)
+    assert said.status_code == 200 and said.json()["choices"][0]["message"]["content"] == "The answer is \ufffd."
+    wrong = httpx.post(url, content=json.dumps({"model": "\ud800", "messages": responder}), timeout=30)
+    assert wrong.status_code == 404 and wrong.json()["error"]["type"] == "NotFoundError"
+
+
 def test_teacher_command_line():
     run = lambda *a: subprocess.run(
         [sys.executable, "-m", "refenv.cli", *a], capture_output=True, text=True, timeout=60
