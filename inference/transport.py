@@ -37,6 +37,8 @@ import aiohttp
 import httpx
 import orjson
 
+from .text import clean_text
+
 logger = logging.getLogger(__name__)
 
 
@@ -195,23 +197,6 @@ def dumps(value: Any) -> bytes:
         return orjson.dumps(value, default=plain_json, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
     except TypeError:  # a lone surrogate (orjson refuses it), or a type only `json` knows
         return std_json.dumps(value).encode()
-
-
-def clean_text(value: Any) -> Any:
-    """`value` with every string made encodable: a lone UTF-16 surrogate (legal in JSON escapes,
-    illegal in UTF-8) becomes U+FFFD, in nested lists and dicts too. Text that came in this way
-    would otherwise fail the next request, or the serialisation of a whole group, later."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return value
-        except UnicodeEncodeError:
-            return value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")  # one U+FFFD each
-    if isinstance(value, list):
-        return [clean_text(v) for v in value]
-    if isinstance(value, dict):
-        return {clean_text(k): clean_text(v) for k, v in value.items()}
-    return value
 
 
 def loads(body: bytes | str) -> Any:

@@ -6,29 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from inference import transport
 from inference.client import normalize_response_format, structured_output
-from refenv import text
 from refenv.config import parse_duration
 from rollout_service.advantages import group_advantages, summarize
-
-
-def test_refenv_cleans_text_as_the_service_does():
-    """refenv keeps its own copy of the service's `clean_text` (to stay importable without the
-    service's HTTP stack): the two must agree, or a completion reads differently on each side."""
-    samples = [
-        "plain",
-        "\ud800 x",
-        "a\udc00\ud800b",
-        "\ud83d\ude00",
-        "\U0001f600",
-        ["\udfff", {"\ud800": "\ud800"}],
-        3,
-        None,
-    ]
-    for sample in samples:
-        assert text.clean_text(sample) == transport.clean_text(sample), ascii(sample)
-    assert text.clean_text({"k": ["\ud800"]}) == {"k": ["\ufffd"]}
 
 
 def test_mean_advantages_skip_unscored():
