@@ -6,10 +6,12 @@ parser, which the trainer's client has anyway).
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal, get_args
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def http_url(url: str) -> str:
@@ -30,6 +32,40 @@ def http_url(url: str) -> str:
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"{url!r} is not a valid URL: port {port} is out of range")
     return str(parsed)  # one spelling per server (scheme and host in lower case)
+
+
+def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
+    """Validation errors as one line, `field.path: what is wrong` each: the service's 422 and the
+    trainer client's own check word them alike."""
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+def _not_text_or_bool(kind: str) -> BeforeValidator:
+    def check(value: Any) -> Any:
+        # pydantic's lax mode would read `"n": true` as n=1 and `"n": "8"` as 8: a sender's mistake run
+        # as if meant. Numbers only (numpy's included, which a trainer may compute its seeds with).
+        if isinstance(value, bool | str | bytes | bytearray):
+            sent = "a boolean" if isinstance(value, bool) else "a string"
+            raise PydanticCustomError(f"{kind}_type", f"Input should be a valid {kind}, not {sent}")
+        return value
+
+    return BeforeValidator(check)
+
+
+# A request's numbers and switches as JSON has them: a float field takes an integer (JSON has one number
+# type: `"temperature": 1` is meant), nothing takes a string, and a switch is true or false, not "yes" or 1.
+# (The null-able ones are their own aliases: `WireInt | None` would put a field's bounds in its JSON
+# schema as pydantic's `ge`/`le`, not JSON Schema's `minimum`/`maximum`, and the OpenAPI docs lose them.)
+WireInt = Annotated[int, _not_text_or_bool("integer")]
+WireIntOrNull = Annotated[int | None, _not_text_or_bool("integer")]
+WireFloat = Annotated[float, _not_text_or_bool("number")]
+WireFloatOrNull = Annotated[float | None, _not_text_or_bool("number")]
+WireBool = Annotated[bool, Strict()]
 
 
 REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles
@@ -77,10 +113,10 @@ class SamplingParams(BaseModel):
     """Sampling as sent to the model server."""
 
     model_config = ConfigDict(extra="forbid")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(256, ge=1, le=32768)
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    temperature: WireFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: WireFloat = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: WireInt = Field(256, ge=1, le=32768)
+    seed: WireIntOrNull = Field(None, ge=0, le=2**31 - 1)
     stop: list[str] | None = Field(None, max_length=8)
 
 
@@ -91,26 +127,26 @@ class GroupRequest(BaseModel):
 
     task_id: str | None = Field(None, min_length=1, max_length=200, description="the env's task id")
     slug: str | None = Field(None, min_length=1, max_length=300, description="or the task's slug")
-    n: int = Field(8, ge=1, description="attempts in the group (at most the service's --max-n)")
+    n: WireInt = Field(8, ge=1, description="attempts in the group (at most the service's --max-n)")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     model: str | None = Field(None, max_length=200, description="model name; default: the service's policy")
     reward_profile: Literal["rl", "benchmark"] | None = Field(None, description="default: the env's own")
     advantage: Literal["mean", "zscore"] = Field(
         "mean", description="mean: reward - group mean; zscore: also divided by the group's std"
     )
-    max_turns: int = Field(32, ge=1, le=1000, description="model calls per episode before it is abandoned")
-    timeout_s: float = Field(600.0, gt=0, le=86400, description="deadline of one episode try")
-    retries: int = Field(1, ge=0, le=10, description="re-runs of an attempt that failed on the env's side")
-    policy_failure_reward: float | None = Field(
+    max_turns: WireInt = Field(32, ge=1, le=1000, description="model calls per episode before it is abandoned")
+    timeout_s: WireFloat = Field(600.0, gt=0, le=86400, description="deadline of one episode try")
+    retries: WireInt = Field(1, ge=0, le=10, description="re-runs of an attempt that failed on the env's side")
+    policy_failure_reward: WireFloatOrNull = Field(
         0.0,
         ge=-1e6,
         le=1e6,
         description="the reward an attempt earns when the policy itself failed it (max_turns, deadline, "
         "context overflow); it enters rewards and advantages, flagged. null: exclude such attempts",
     )
-    allow_greedy: bool = Field(False, description="accept temperature 0 with n > 1")
-    allow_eval_side: bool = Field(False, description="accept a task served only by an eval-side env")
-    max_staleness: int | None = Field(
+    allow_greedy: WireBool = Field(False, description="accept temperature 0 with n > 1")
+    allow_eval_side: WireBool = Field(False, description="accept a task served only by an eval-side env")
+    max_staleness: WireIntOrNull = Field(
         None,
         ge=0,
         le=1_000_000,
@@ -123,7 +159,7 @@ class GroupRequest(BaseModel):
         "sampled is tokenized again (vLLM); chat: messages to /v1/chat/completions, for servers without token "
         "prompts. Default: exact where the model server accepts token prompts",
     )
-    constrained: bool = Field(
+    constrained: WireBool = Field(
         True,
         description="send the env's response_format to the model server as a structured-output constraint. "
         "Constrained logprobs are taken after the grammar mask (renormalised over the allowed tokens), so they "
@@ -422,7 +458,7 @@ class EnvRef(_ByUrl):
 class EnvAdd(EnvRef):
     """POST /envs: schedule on one more env server."""
 
-    timeout_s: float = Field(
+    timeout_s: WireFloat = Field(
         60.0, gt=0, le=3600, description="how long to wait for it to answer /health ready and /tasks"
     )
 
@@ -430,7 +466,7 @@ class EnvAdd(EnvRef):
 class EnvRemove(EnvRef):
     """POST /envs/remove: drain the env, wait for its episodes to finish, then forget it."""
 
-    timeout_s: float = Field(
+    timeout_s: WireFloat = Field(
         300.0, ge=0, le=86400, description="how long to wait for the episodes on it to finish (0: do not wait)"
     )
 
@@ -460,7 +496,7 @@ class ReplicaRef(_ByUrl):
 class ReplicaAdd(ReplicaRef):
     """POST /replicas: route to one more replica of the policy (or support) model."""
 
-    timeout_s: float = Field(
+    timeout_s: WireFloat = Field(
         300.0,
         gt=0,
         le=3600,
@@ -471,4 +507,4 @@ class ReplicaAdd(ReplicaRef):
 class ReplicaRemove(ReplicaRef):
     """POST /replicas/remove: drain the replica, wait for its turns in flight, then forget it."""
 
-    timeout_s: float = Field(300.0, ge=0, le=86400, description="how long to wait for its turns in flight to end")
+    timeout_s: WireFloat = Field(300.0, ge=0, le=86400, description="how long to wait for its turns in flight to end")

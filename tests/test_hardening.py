@@ -18,6 +18,8 @@ import httpx
 import pytest
 from helpers import assert_accounted, cli, wait_until
 
+from rollout_service.server.config import ServiceConfig
+
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 
 
@@ -257,7 +259,11 @@ def test_run_log_write_errors_show_in_health_and_groups_go_on(
 
 
 def test_admission_cap_answers_429_with_retry_after(start_refenv, start_service, start_scripted_model):
-    """#11.7: past --max-queued-attempts a request is refused with 429 and Retry-After, nothing started."""
+    """#11.7: past --max-queued-attempts a request is refused with 429 and Retry-After, nothing started;
+    one larger than the cap itself with 422 and no Retry-After (waiting would never help), as the
+    flag's description (the README's configuration table) says. Break tried: admit() without the 422
+    branch -> the larger request gets 429, fails; the description back to "past it a request gets
+    429" -> fails."""
     model = start_scripted_model("answer")
     env = start_refenv("--pool", "2", "--latency-ms", "3000")
     service = start_service([env.url], "--max-queued-attempts", "4", vllm=model.url, model="scripted")
@@ -271,6 +277,11 @@ def test_admission_cap_answers_429_with_retry_after(start_refenv, start_service,
     r = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 1, "sampling": SAMPLING})
     assert r.status_code == 429 and r.json()["error"] == "too_many_queued_attempts"
     assert int(r.headers["retry-after"]) > 0 and "--max-queued-attempts" in r.json()["message"]
+    r = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 5, "sampling": SAMPLING})
+    assert r.status_code == 422 and r.json()["error"] == "too_many_attempts", r.text
+    assert "retry-after" not in r.headers and "split it" in r.json()["message"]
+    described = ServiceConfig.model_fields["max_queued_attempts"].description or ""
+    assert "429 with Retry-After" in described and "422 too_many_attempts" in described, described
     first.join(60)
     started = env.health()["episodes"]["started"]
     assert started == 4  # the refused request started nothing

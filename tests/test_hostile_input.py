@@ -78,3 +78,95 @@ def test_fuzzed_policy_updates_never_get_a_server_error(start_refenv, start_serv
     assert fuzz(service.url, lambda path: path.startswith("/policy")) > 50
     state = httpx.get(f"{service.url}/policy").json()
     assert state["version"] == "base" and not state["paused"], state  # nothing hostile was taken
+
+
+@pytest.fixture
+def unstarted_app():
+    """The app in this process with its lifespan never run: a body that passes validation is answered
+    503 `starting`, one that does not 422, with no backend and no process."""
+    from starlette.testclient import TestClient
+
+    from rollout_service.server.app import create_app
+    from rollout_service.server.config import ServiceConfig
+
+    config = ServiceConfig(env=["http://127.0.0.1:9"], vllm=["http://127.0.0.1:9"], model="m")
+    return TestClient(create_app(config))  # not entered: its lifespan, the service's start, never runs
+
+
+JSON_BODY = b'{"task_id": "t001", "n": 1}'
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "says"),
+    [
+        ("application/x-www-form-urlencoded", JSON_BODY, "content-type: application/x-www-form-urlencoded"),
+        (None, JSON_BODY, "no content-type"),
+        ("text/plain", JSON_BODY, "content-type: text/plain"),
+        ("application/x-www-form-urlencoded", b"", "content-type: application/x-www-form-urlencoded"),
+    ],
+)
+def test_a_body_not_labelled_json_is_told_to_send_json(unstarted_app, content_type, body, says):
+    """`curl -d '{...}'` without `-H content-type: application/json` labels valid JSON a form: the
+    body is never read as JSON, and "body: Input should be a valid dictionary" pointed nowhere. Still
+    422 invalid_request, saying what to send. Break tried: the content-type check skipped in
+    _describe_validation -> every row fails with pydantic's "valid dictionary" message."""
+    headers = {"content-type": content_type} if content_type else {}
+    for path in ("/groups", "/groups/batch", "/envs"):
+        r = unstarted_app.post(path, content=body, headers=headers)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"] == "invalid_request"
+        message = r.json()["message"]
+        assert "content-type: application/json" in message and says in message, message
+    # Labelled JSON, the same bytes pass validation (the unstarted service then says it is starting);
+    # a JSON body of the wrong shape keeps pydantic's own words.
+    r = unstarted_app.post("/groups", content=JSON_BODY, headers={"content-type": "application/json; charset=utf-8"})
+    assert (r.status_code, r.json()["error"]) == (503, "starting"), r.text
+    r = unstarted_app.post("/groups", content=b"[1]", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "valid dictionary" in r.json()["message"], r.text
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"n": True}, "n: Input should be a valid integer, not a boolean"),
+        ({"n": "1"}, "n: Input should be a valid integer, not a string"),
+        ({"max_turns": "4"}, "max_turns: Input should be a valid integer, not a string"),
+        ({"retries": False}, "retries: Input should be a valid integer, not a boolean"),
+        ({"max_staleness": True}, "max_staleness: Input should be a valid integer, not a boolean"),
+        ({"sampling": {"max_tokens": "64"}}, "sampling.max_tokens: Input should be a valid integer, not a string"),
+        ({"sampling": {"seed": True}}, "sampling.seed: Input should be a valid integer, not a boolean"),
+        ({"sampling": {"temperature": "0.8"}}, "sampling.temperature: Input should be a valid number, not a string"),
+        ({"timeout_s": True}, "timeout_s: Input should be a valid number, not a boolean"),
+        ({"policy_failure_reward": "0"}, "policy_failure_reward: Input should be a valid number, not a string"),
+        ({"allow_greedy": "yes"}, "allow_greedy: Input should be a valid boolean"),
+        ({"constrained": 0}, "constrained: Input should be a valid boolean"),
+    ],
+)
+def test_numbers_and_switches_are_not_coerced(unstarted_app, fields, words):
+    """`"n": true` ran a group of n=1 and `"n": "1"` was taken: pydantic's lax mode coerced what the
+    README says is validated. A float field still takes a JSON integer (`"temperature": 1` is meant),
+    and the batch route words it the same, placed. Break tried: WireInt as plain `int` (the guard
+    dropped) -> the integer rows fail (200-path 503 `starting` instead of 422)."""
+    r = unstarted_app.post("/groups", json={"task_id": "t001", **fields})
+    assert r.status_code == 422 and r.json()["error"] == "invalid_request", r.text
+    assert words in r.json()["message"], r.text
+    r = unstarted_app.post("/groups/batch", json={"groups": [{"task_id": "t001"}, {"task_id": "t001", **fields}]})
+    assert r.status_code == 422 and f"groups.1.{words}" in r.json()["message"], r.text
+
+
+def test_json_numbers_still_fill_float_fields(unstarted_app):
+    """The other side of strict counts: integers where floats are expected, and null where allowed.
+    Break tried: the guard refusing ints for float fields too -> `"temperature": 1` gets 422, fails."""
+    body = {
+        "task_id": "t001",
+        "n": 2,
+        "sampling": {"temperature": 1, "top_p": 1, "max_tokens": 16, "seed": 0},
+        "timeout_s": 60,
+        "policy_failure_reward": None,
+        "max_staleness": None,
+        "allow_greedy": False,
+    }
+    r = unstarted_app.post("/groups", json=body)
+    assert (r.status_code, r.json()["error"]) == (503, "starting"), r.text
+    r = unstarted_app.post("/envs", json={"url": "http://127.0.0.1:9", "timeout_s": 5})
+    assert (r.status_code, r.json()["error"]) == (503, "starting"), r.text

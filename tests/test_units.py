@@ -149,3 +149,69 @@ def test_the_cpu_build_runs_in_one_process_on_all_cores_but_one(monkeypatch, tmp
     given_by_deployment = local_server.vllm_environment(base={**given, "OMP_NUM_THREADS": "5"})
     if expected.get("OMP_NUM_THREADS") is not None:
         assert given_by_deployment["OMP_NUM_THREADS"] == "5"
+
+
+def test_the_clients_own_check_raises_request_rejected_naming_the_field():
+    """A request the trainer client's own check refuses is the caller's mistake, so it raises
+    RequestRejected (the README's typed hierarchy, not a bare pydantic error) naming the field, with
+    the pydantic error as its cause and nothing sent; in the sync, async and sharded clients alike,
+    a batch's group named by its place. Breaks tried: _checked letting the ValidationError through
+    (no except) -> fails with pydantic's ValidationError; the batch's place not added -> the groups[1]
+    case fails; WireInt with Strict() before the guard -> the numpy case fails."""
+    import asyncio
+
+    import httpx
+    from pydantic import ValidationError
+
+    from rollout_service.trainer import AsyncRolloutClient, AsyncShardedClient, RequestRejected, RolloutClient
+
+    sent: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500, json={"error": "internal_error", "message": "a request was sent"})
+
+    def rejected(call, words: str) -> None:
+        with pytest.raises(RequestRejected) as caught:
+            call()
+        error = caught.value
+        assert (error.status, error.error) == (None, "invalid_request"), error
+        assert words in error.message, error.message
+        assert isinstance(error.__cause__, ValidationError)
+
+    client = RolloutClient("http://trainer-test")
+    client._http = httpx.Client(base_url=client.url, transport=httpx.MockTransport(answer))
+    rejected(lambda: client.group({"task_id": "t001", "n": 0}), "n: Input should be greater than or equal to 1")
+    rejected(lambda: client.group(task_id="t001", n=True), "n: Input should be a valid integer, not a boolean")
+    rejected(lambda: client.group(task_id="t001", slug="s"), "exactly one of task_id or slug")
+    bad_batch = [{"task_id": "t001"}, {"task_id": "t002", "sampling": {"temperature": 9}}]
+    rejected(lambda: list(client.groups(bad_batch)), "groups[1]: sampling.temperature: Input should be less than")
+    rejected(lambda: client.update_policy("no spaces"), "version: String should match pattern")
+    rejected(lambda: client.add_env("localhost:8090"), "url: 'localhost:8090' is not an http:// or https:// URL")
+    rejected(lambda: client.add_replica("http://m:8000", role="teacher"), "role: Input should be 'policy' or")
+    # Counts are refused as strings or booleans, not as numpy's integers, which a trainer may compute
+    # them with (pydantic's strict mode would refuse those too).
+    import numpy as np
+
+    body = client._group_body(None, {"task_id": "t001", "n": np.int64(2), "sampling": {"seed": np.int64(7)}})
+    assert (body["n"], body["sampling"]["seed"]) == (2, 7)
+
+    async def the_async_clients() -> None:
+        async_client = AsyncRolloutClient("http://trainer-test")
+        async_client._http = httpx.AsyncClient(base_url=async_client.url, transport=httpx.MockTransport(answer))
+        with pytest.raises(RequestRejected, match="n: Input should be greater than or equal to 1"):
+            await async_client.group({"task_id": "t001", "n": 0})
+        with pytest.raises(RequestRejected, match=r"groups\[1\]: sampling.temperature"):
+            async for _ in async_client.groups(bad_batch):
+                pass
+        with pytest.raises(RequestRejected, match="url: 'localhost:8090'"):
+            await async_client.remove_env("localhost:8090")
+        sharded = AsyncShardedClient(["http://trainer-test"])
+        sharded.clients[0]._http = async_client._http
+        with pytest.raises(RequestRejected, match=r"groups\[0\]: n: Input should be a valid integer, not a string"):
+            async for _ in sharded.groups([{"task_id": "t001", "n": "2"}]):
+                pass
+        await async_client.aclose()
+
+    asyncio.run(the_async_clients())
+    assert sent == []

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..protocol import describe_errors
 from .api import router
 from .config import ServiceConfig
 from .errors import RequestRefused, StartupError
@@ -23,20 +24,30 @@ from .service import RolloutService
 log = logging.getLogger("rollout_service.app")
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[int, str, str]:
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI parses a body of this content type as JSON (application/json or */*+json)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _describe_validation(exc: RequestValidationError, content_type: str | None = None) -> tuple[int, str, str]:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "invalid_json", "the body is not valid JSON"
-    parts = []
-    for e in errors[:5]:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
-        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}")
-    return 422, "invalid_request", "; ".join(parts)
+    if not _is_json(content_type) and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+        # The body was never read as JSON, so "should be a valid dictionary" would be about bytes the
+        # sender may well have written as JSON: `curl -d` alone labels them a form.
+        sent = f"content-type: {content_type}" if content_type else "no content-type"
+        return (
+            422,
+            "invalid_request",
+            f"the body must be a JSON object sent with `content-type: application/json` (this request had {sent})",
+        )
+    return 422, "invalid_request", describe_errors(errors)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(*_describe_validation(exc))
+    return error_response(*_describe_validation(exc, request.headers.get("content-type")))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -82,8 +82,8 @@ class ServiceConfig(BaseModel):
     max_queued_attempts: int = Field(
         65536,
         ge=1,
-        description="most attempts accepted and not yet finished, across all requests; "
-        "past it a request gets 429 with Retry-After",
+        description="most attempts accepted and not yet finished, across all requests; a request that would "
+        "pass it gets 429 with Retry-After, one with more attempts than the cap itself 422 too_many_attempts",
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="request bodies over this get 413")
     inference_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(

@@ -16,9 +16,10 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from ..protocol import (
     EnvAdd,
@@ -35,6 +36,7 @@ from ..protocol import (
     ReplicaRef,
     ReplicaRemove,
     ReplicaState,
+    describe_errors,
 )
 
 __all__ = [
@@ -59,7 +61,9 @@ class RolloutError(Exception):
 
 
 class RequestRejected(RolloutError):
-    """4xx: the request cannot be served as sent (unknown task, bad field, n too large...); fix it."""
+    """4xx: the request cannot be served as sent (unknown task, bad field, n too large...); fix it.
+    `status` None: the client's own check refused it (`invalid_request`, naming the field), so nothing
+    was sent; the pydantic error is its `__cause__`."""
 
 
 class ServiceBusy(RolloutError):
@@ -101,6 +105,18 @@ class BatchItem:
 _NOT_READY_YET = (httpx.TransportError, ServiceUnavailable, ServiceBusy, ValueError)
 
 
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def _checked(model: type[_Body], data: Any) -> _Body:
+    """`data` as `model`, or RequestRejected: a bad field is the caller's to fix, whether the service
+    or this check finds it (a bare ValidationError would escape the client's error hierarchy)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestRejected(None, "invalid_request", describe_errors(exc.errors())) from exc
+
+
 class _BaseClient:
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
         self.url = url.rstrip("/")
@@ -110,23 +126,36 @@ class _BaseClient:
     @staticmethod
     def _group_body(request: GroupRequest | dict | None, fields: dict[str, Any]) -> dict:
         if request is None:
-            request = GroupRequest.model_validate(fields)
+            request = _checked(GroupRequest, fields)
         elif isinstance(request, dict):
-            request = GroupRequest.model_validate({**request, **fields})
+            request = _checked(GroupRequest, {**request, **fields})
         return request.model_dump(mode="json", exclude_none=True)
 
     @classmethod
+    def _batch_group_body(cls, position: int, request: GroupRequest | dict) -> dict:
+        """One group of a batch; a refusal names its place in the batch."""
+        try:
+            return cls._group_body(request, {})
+        except RequestRejected as exc:
+            raise RequestRejected(None, exc.error, f"groups[{position}]: {exc.message}") from exc.__cause__
+
+    @classmethod
     def _batch_body(cls, requests: Iterable[GroupRequest | dict]) -> dict:
-        return {"groups": [cls._group_body(r, {}) for r in requests]}
+        return {"groups": [cls._batch_group_body(i, r) for i, r in enumerate(requests)]}
+
+    @staticmethod
+    def _body(model: type[BaseModel], **fields: Any) -> dict:
+        return _checked(model, fields).model_dump()
 
     @staticmethod
     def _update_body(version: str, lora: str | None, weights: str | None) -> dict:
-        update = PolicyUpdate.model_validate(
+        update = _checked(
+            PolicyUpdate,
             {
                 "version": version,
                 **({"lora": {"path": lora}} if lora else {}),
                 **({"weights": {"path": weights}} if weights else {}),
-            }
+            },
         )
         return update.model_dump(mode="json", exclude_none=True)
 
@@ -274,20 +303,20 @@ class RolloutClient(_BaseClient):
     def add_env(self, url: str, *, timeout_s: float = 60.0) -> EnvState:
         """Schedule on one more env server (it must match the dataset and reward version of the
         envs serving the same tasks: RequestRejected env_incomparable otherwise)."""
-        response = self._http.post("/envs", json=EnvAdd(url=url, timeout_s=timeout_s).model_dump(), timeout=None)
+        response = self._http.post("/envs", json=self._body(EnvAdd, url=url, timeout_s=timeout_s), timeout=None)
         self._raise_for(response)
         return EnvState.model_validate_json(response.content)
 
     def drain_env(self, url: str) -> EnvState:
         """Start no new episode on the env; the ones on it finish."""
-        response = self._http.post("/envs/drain", json=EnvRef(url=url).model_dump())
+        response = self._http.post("/envs/drain", json=self._body(EnvRef, url=url))
         self._raise_for(response)
         return EnvState.model_validate_json(response.content)
 
     def remove_env(self, url: str, *, timeout_s: float = 300.0) -> EnvRemoved:
         """Drain the env, wait up to `timeout_s` for its episodes to finish, then stop scheduling on
         it (RequestRejected env_busy if some still run then: it stays draining)."""
-        body = EnvRemove(url=url, timeout_s=timeout_s).model_dump()
+        body = self._body(EnvRemove, url=url, timeout_s=timeout_s)
         response = self._http.post("/envs/remove", json=body, timeout=None)
         self._raise_for(response)
         return EnvRemoved.model_validate_json(response.content)
@@ -296,21 +325,21 @@ class RolloutClient(_BaseClient):
         """Route to one more model server replica; a policy one once it serves the current version
         (`routed` says whether it does by `timeout_s`). RequestRejected `policy_busy` if a policy
         update still runs at `timeout_s` (a replica joins between them): add it again."""
-        body = ReplicaAdd.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
+        body = self._body(ReplicaAdd, url=url, role=role, timeout_s=timeout_s)
         response = self._http.post("/replicas", json=body, timeout=None)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
     def drain_replica(self, url: str, *, role: str = "policy") -> ReplicaState:
         """Send no new turn to the replica; groups pinned there move at their next turn."""
-        body = ReplicaRef.model_validate({"url": url, "role": role}).model_dump()
+        body = self._body(ReplicaRef, url=url, role=role)
         response = self._http.post("/replicas/drain", json=body)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
     def remove_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
         """Drain the replica, wait up to `timeout_s` for its requests in flight, stop routing to it."""
-        body = ReplicaRemove.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
+        body = self._body(ReplicaRemove, url=url, role=role, timeout_s=timeout_s)
         response = self._http.post("/replicas/remove", json=body, timeout=None)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
@@ -392,36 +421,36 @@ class AsyncRolloutClient(_BaseClient):
         return [EnvState.model_validate(e) for e in await self._get("/envs")]
 
     async def add_env(self, url: str, *, timeout_s: float = 60.0) -> EnvState:
-        body = EnvAdd(url=url, timeout_s=timeout_s).model_dump()
+        body = self._body(EnvAdd, url=url, timeout_s=timeout_s)
         response = await self._http.post("/envs", json=body, timeout=None)
         self._raise_for(response)
         return EnvState.model_validate_json(response.content)
 
     async def drain_env(self, url: str) -> EnvState:
-        response = await self._http.post("/envs/drain", json=EnvRef(url=url).model_dump())
+        response = await self._http.post("/envs/drain", json=self._body(EnvRef, url=url))
         self._raise_for(response)
         return EnvState.model_validate_json(response.content)
 
     async def remove_env(self, url: str, *, timeout_s: float = 300.0) -> EnvRemoved:
-        body = EnvRemove(url=url, timeout_s=timeout_s).model_dump()
+        body = self._body(EnvRemove, url=url, timeout_s=timeout_s)
         response = await self._http.post("/envs/remove", json=body, timeout=None)
         self._raise_for(response)
         return EnvRemoved.model_validate_json(response.content)
 
     async def add_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
-        body = ReplicaAdd.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
+        body = self._body(ReplicaAdd, url=url, role=role, timeout_s=timeout_s)
         response = await self._http.post("/replicas", json=body, timeout=None)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
     async def drain_replica(self, url: str, *, role: str = "policy") -> ReplicaState:
-        body = ReplicaRef.model_validate({"url": url, "role": role}).model_dump()
+        body = self._body(ReplicaRef, url=url, role=role)
         response = await self._http.post("/replicas/drain", json=body)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
     async def remove_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
-        body = ReplicaRemove.model_validate({"url": url, "role": role, "timeout_s": timeout_s}).model_dump()
+        body = self._body(ReplicaRemove, url=url, role=role, timeout_s=timeout_s)
         response = await self._http.post("/replicas/remove", json=body, timeout=None)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)

@@ -110,7 +110,7 @@ class AsyncShardedClient:
         shards: dict[int, tuple[list[int], list[dict]]] = {}
         try:
             for position, request in enumerate(requests):
-                body = _BaseClient._group_body(request, {})
+                body = _BaseClient._batch_group_body(position, request)
                 positions, bodies = shards.setdefault(await self._route(body), ([], []))
                 positions.append(position)
                 bodies.append(body)
