@@ -43,6 +43,13 @@ def _describe_validation(exc: RequestValidationError, content_type: str | None =
             "invalid_request",
             f"the body must be a JSON object sent with `content-type: application/json` (this request had {sent})",
         )
+    root = [e for e in errors if tuple(e.get("loc", ())) == ("body",) and not isinstance(e.get("input"), dict)]
+    if root and root[0].get("input") is not None:
+        # JSON, but not an object: pydantic's "valid dictionary or object to extract fields from" names
+        # a Python notion.
+        kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+        kind = kinds.get(type(root[0]["input"]), "something else")
+        return 422, "invalid_request", f"the body must be a JSON object, not {kind}"
     return 422, "invalid_request", describe_errors(errors)
 
 
