@@ -118,7 +118,7 @@ CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
 
 def physical_cores() -> int:
     """The physical cores among the CPUs this process may run on: logical CPUs that are hyperthreads
-    of one core (same package and core id in Linux's topology files) count once. Where the topology
+    of one core (same package, die and core id in Linux's topology files) count once. Where the topology
     cannot be read (not Linux, a restricted /sys), every logical CPU counts."""
     try:
         cpus = os.sched_getaffinity(0)
@@ -128,10 +128,14 @@ def physical_cores() -> int:
     for cpu in cpus:
         topology = CPU_TOPOLOGY / f"cpu{cpu}" / "topology"
         try:
-            core = (topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()
+            package, core = ((topology / name).read_text().strip() for name in ("physical_package_id", "core_id"))
         except OSError:
             return len(cpus)
-        cores.add(core)
+        try:  # a core id may be unique only within its die, on packages of several
+            die = (topology / "die_id").read_text().strip()
+        except OSError:
+            die = ""
+        cores.add((package, die, core))
     return max(1, len(cores))
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, get_args
 
 import httpx
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -20,15 +20,15 @@ def http_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
         raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
+    if "@" in rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]:
+        # Before any message quotes the URL. A URL is shown in /envs, /health/detail, logs and metrics
+        # labels; a model server's key goes in api-key-env.
+        raise ValueError("a URL with credentials (user:password@) would show them wherever it is shown: leave them out")
     try:
         parsed = httpx.URL(url)
         port = parsed.port
     except (httpx.InvalidURL, ValueError) as exc:
         raise ValueError(f"{url!r} is not a valid URL: {exc}") from None
-    if parsed.userinfo:
-        # A URL is shown in /envs, /health/detail, logs and metrics labels; a model server's key
-        # goes in api-key-env.
-        raise ValueError("a URL with credentials (user:password@) would show them wherever it is shown: leave them out")
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"{url!r} is not a valid URL: port {port} is out of range")
     return str(parsed)  # one spelling per server (scheme and host in lower case)
@@ -57,6 +57,13 @@ def _not_text_or_bool(kind: str) -> BeforeValidator:
     return BeforeValidator(check)
 
 
+def _true_or_false(value: Any) -> Any:
+    # Not pydantic's Strict(), which refuses numpy's bool (`allow_greedy=temps[i] == 0` in a trainer).
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise PydanticCustomError("bool_type", "Input should be a valid boolean, true or false")
+
+
 # A request's numbers and switches as JSON has them: a float field takes an integer (JSON has one number
 # type: `"temperature": 1` is meant), nothing takes a string, and a switch is true or false, not "yes" or 1.
 # (The null-able ones are their own aliases: `WireInt | None` would put a field's bounds in its JSON
@@ -65,7 +72,7 @@ WireInt = Annotated[int, _not_text_or_bool("integer")]
 WireIntOrNull = Annotated[int | None, _not_text_or_bool("integer")]
 WireFloat = Annotated[float, _not_text_or_bool("number")]
 WireFloatOrNull = Annotated[float | None, _not_text_or_bool("number")]
-WireBool = Annotated[bool, Strict()]
+WireBool = Annotated[bool, BeforeValidator(_true_or_false)]
 
 
 REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles

@@ -396,3 +396,61 @@ def test_a_replica_added_during_a_long_update_is_answered_at_its_timeout(
         added = client.add_replica(joining.url, timeout_s=30)
         assert added.routed and added.version == "v1", added
         assert stats(joining)["events"][0] == "load:scripted@v1"
+
+
+def test_health_names_tasks_whose_every_env_drains_on_the_training_side_too():
+    """A task served by a training env and an eval-side one is stranded for training groups (all a
+    group without allow_eval_side may use) once the training env drains: /health must say so, as when
+    every env of a task drains. Break tried: only `every env drains` checked -> t1 goes unnamed."""
+    from rollout_service.server import service as module
+    from rollout_service.server.env_client import EnvClient, EnvHealth, EnvTask
+
+    svc, _ = _service_with([("t1", "s1"), ("t2", "s2")])
+    health = EnvHealth(
+        status="ready",
+        workers=1,
+        dataset={"catalog_hash": "h"},
+        reward_version="r",
+        reward_profile="rl",
+        capabilities={"side": "eval"},
+    )
+    found = module._Discovered("http://e:1", health, [EnvTask(task_id="t1", slug="s1")])
+    evaluator = module._checked_env(found, EnvClient("http://e:1"))
+    svc.envs[evaluator.url] = evaluator
+    svc._index_tasks(evaluator, found.tasks)
+    assert svc._unserved() == []
+    svc.envs["http://a:1"].slots.draining = True
+    [reason] = svc._unserved()
+    assert "draining envs (all, or all on the training side): t1, t2." in reason, reason
+    [first] = svc._unserved(first_only=True)
+    assert ": t1." in first, first  # what status() asks: one is enough
+    svc.envs.clear()
+    assert svc._unserved() == ["no env: every env was removed (POST /envs adds one)"]
+
+
+def test_one_server_under_two_names_shares_a_key_and_a_proxys_names_do_not(monkeypatch):
+    """The same-server check's keys (service._server_addresses). This host's loopback and IP
+    addresses, however spelled, are keyed by address; other names by themselves, since two names on
+    one address may be two servers behind one proxy (virtual hosts, an ingress). Break tried: keying
+    every name by its addresses -> the proxy's two names share a key, fails."""
+    import asyncio
+    import socket
+
+    from rollout_service.server import service as module
+
+    def key(url: str) -> frozenset:
+        return asyncio.run(module._server_addresses(url))
+
+    first = key("http://127.0.0.1:8090")
+    for alias in ("http://localhost:8090", "http://127.1:8090/", "http://0x7f.0.0.1:8090", "http://0.0.0.0:8090"):
+        assert key(alias) & first, alias
+    for other in ("http://127.0.0.1:8091", "http://127.0.0.1:8090/other", "http://127.0.0.2:8090"):
+        assert not key(other) & first, other
+
+    async def one_address(self, host, port, **kwargs):  # every name on one public address
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("203.0.113.7", port))]
+
+    monkeypatch.setattr(asyncio.base_events.BaseEventLoop, "getaddrinfo", one_address)
+    assert not key("https://env-a.example") & key("https://env-b.example")
+    assert key("https://203.0.113.7") & key("https://0xcb.0.113.7:443/")
+    assert key("https://env-a.example") == key("https://ENV-A.example/")

@@ -77,13 +77,15 @@ def test_the_embedded_servers_dtype_follows_the_cpu(monkeypatch, tmp_path, build
     assert given[given.index("--dtype") + 1] == "bfloat16"
 
 
-def cpu_topology(root: Path, cores: dict[int, tuple[int, int]]) -> Path:
-    """Linux's /sys/devices/system/cpu for logical CPUs {cpu: (package, core id)}."""
-    for cpu, (package, core) in cores.items():
+def cpu_topology(root: Path, cores: dict[int, tuple[int, ...]]) -> Path:
+    """Linux's /sys/devices/system/cpu for logical CPUs {cpu: (package, core id[, die id])}."""
+    for cpu, (package, core, *die) in cores.items():
         topology = root / f"cpu{cpu}" / "topology"
         topology.mkdir(parents=True)
         (topology / "physical_package_id").write_text(f"{package}\n")
         (topology / "core_id").write_text(f"{core}\n")
+        if die:
+            (topology / "die_id").write_text(f"{die[0]}\n")
     return root
 
 
@@ -94,6 +96,7 @@ def cpu_topology(root: Path, cores: dict[int, tuple[int, int]]) -> Path:
         ({0, 4}, 1),  # both threads of one core
         ({0, 1}, 2),
         ({0, 1, 12, 13}, 4),  # a second package reuses core ids 0 and 1
+        ({16, 17}, 2),  # core 0 of package 2's two dies: a core id may be unique only within its die
         ({0, 4, 20}, 3),  # cpu 20 has no topology (a restricted /sys): every logical CPU counts
     ],
 )
@@ -102,7 +105,7 @@ def test_threads_count_physical_cores_not_hyperthreads(monkeypatch, tmp_path, af
     own binding does. Break tried: counting logical CPUs -> the first two rows fail (8 and 2)."""
     from inference import local_server
 
-    cores = {cpu: (0, cpu % 4) for cpu in range(8)} | {12: (1, 0), 13: (1, 1)}
+    cores = {cpu: (0, cpu % 4) for cpu in range(8)} | {12: (1, 0), 13: (1, 1)} | {16: (2, 0, 0), 17: (2, 0, 1)}
     monkeypatch.setattr(local_server, "CPU_TOPOLOGY", cpu_topology(tmp_path, cores))
     monkeypatch.setattr(local_server.os, "sched_getaffinity", lambda pid: affinity)
     assert local_server.physical_cores() == expected
@@ -215,3 +218,24 @@ def test_the_clients_own_check_raises_request_rejected_naming_the_field():
 
     asyncio.run(the_async_clients())
     assert sent == []
+
+
+def test_the_client_sends_a_chosen_null_and_takes_numpys_switches():
+    """`policy_failure_reward: null` (exclude such attempts) was left out of the body with the other
+    nulls, so the service applied its default 0.0: a trainer's choice silently undone. And a switch a
+    trainer computes with numpy (`allow_greedy=temps[i] == 0`) is numpy's bool, which is a boolean.
+    The oracle for what the service reads is its own model of the body. Breaks tried: the chosen-null
+    loop removed -> the first check fails; WireBool as pydantic's Strict() -> the numpy case fails."""
+    import numpy as np
+
+    from rollout_service.protocol import GroupRequest
+    from rollout_service.trainer.client import _BaseClient
+
+    body = _BaseClient._group_body(None, {"task_id": "t001", "policy_failure_reward": None})
+    assert "policy_failure_reward" in body and GroupRequest.model_validate(body).policy_failure_reward is None
+    plain = _BaseClient._group_body(None, {"task_id": "t001"})
+    assert plain["policy_failure_reward"] == 0.0 and "seed" not in plain["sampling"] and "slug" not in plain
+    temps = np.array([0.0, 0.8])
+    switches = {"allow_greedy": temps[0] == 0, "constrained": temps[1] == 0}
+    body = _BaseClient._group_body(None, {"task_id": "t001", **switches})
+    assert (body["allow_greedy"], body["constrained"]) == (True, False)

@@ -34,7 +34,9 @@ def _describe_validation(exc: RequestValidationError, content_type: str | None =
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return 400, "invalid_json", "the body is not valid JSON"
-    if not _is_json(content_type) and any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+    # The body as a whole is not an object (a field's error, or the object's own check, is not this).
+    root = [e for e in errors if tuple(e.get("loc", ())) == ("body",) and not isinstance(e.get("input"), dict)]
+    if root and not _is_json(content_type):
         # The body was never read as JSON, so "should be a valid dictionary" would be about bytes the
         # sender may well have written as JSON: `curl -d` alone labels them a form.
         sent = f"content-type: {content_type}" if content_type else "no content-type"
@@ -43,7 +45,6 @@ def _describe_validation(exc: RequestValidationError, content_type: str | None =
             "invalid_request",
             f"the body must be a JSON object sent with `content-type: application/json` (this request had {sent})",
         )
-    root = [e for e in errors if tuple(e.get("loc", ())) == ("body",) and not isinstance(e.get("input"), dict)]
     if root and root[0].get("input") is not None:
         # JSON, but not an object: pydantic's "valid dictionary or object to extract fields from" names
         # a Python notion.

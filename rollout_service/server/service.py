@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 import socket
 import time
@@ -667,24 +668,33 @@ class RolloutService:
             return "failed" if self.startup_failure else "starting"
         ok = self.monitor.all_ok() and (self.run_log is None or self.run_log.error is None)
         routed = all(e.excluded is None or e.draining for e in self.policy.client.endpoints)
-        ok = ok and routed and not self.versions.paused and not self._unserved()
+        ok = ok and routed and not self.versions.paused and not self._unserved(first_only=True)
         return "ok" if ok else "degraded"
 
-    def _unserved(self) -> list[str]:
-        """What the envs present cannot serve: nothing at all, or tasks whose every env drains (their
-        queued attempts wait for an env added for them, or end when the drained one is removed)."""
+    def _unserved(self, first_only: bool = False) -> list[str]:
+        """What the envs present cannot serve: nothing at all, or tasks whose every env drains, or every
+        training-side one (their queued attempts wait for an env added for them, or end when the
+        drained one is removed). `first_only`: stop at the first such task (status() asks often)."""
         if not self.envs:
             return ["no env: every env was removed (POST /envs adds one)"]
         if not any(env.slots.draining for env in self.envs.values()):
             return []
-        stranded = [t.task_id for t in self.targets.values() if all(env.slots.draining for env in t.envs)]
+        stranded = []
+        for target in self.targets.values():
+            training = [env for env in target.envs if env.contract.side != "eval"]
+            for envs in (target.envs, training):
+                if envs and all(env.slots.draining for env in envs):
+                    stranded.append(target.task_id)
+                    break
+            if stranded and first_only:
+                break
         if not stranded:
             return []
         named = ", ".join(stranded[:5]) + (f" and {len(stranded) - 5} more" if len(stranded) > 5 else "")
         return [
-            f"tasks served only by draining envs: {named}. Their queued attempts wait until an env serving "
-            "them is added (POST /envs) or end as env_no_world when the drained env is removed; new groups "
-            "for them get 503 envs_draining"
+            f"tasks served only by draining envs (all, or all on the training side): {named}. Their queued "
+            "attempts wait until an env serving them is added (POST /envs) or end as env_no_world when the "
+            "drained env is removed; new groups for them get 503 envs_draining"
         ]
 
     @property
@@ -858,20 +868,41 @@ async def _ask_until_ready(probe: Callable[[], Awaitable[T]], waiting: Callable[
 
 
 async def _server_addresses(url: str, timeout_s: float = 10.0) -> frozenset[tuple[str, int, str]]:
-    """Where `url` connects: (address, port, path) for each address its host resolves to, so that two
-    spellings of one server (localhost and 127.0.0.1, 127.1, a second DNS name) share one. Empty
-    where the host does not resolve in time: then nothing is compared (it answered under its URL)."""
+    """What identifies the server `url` reaches, as (host, port, path) keys: two URLs that share a key
+    are one server. An IP address (however spelled: 127.1, 0x7f.0.0.1) or a name of this host's
+    loopback (localhost) is keyed by the addresses it resolves to, so localhost and 127.0.0.1 share
+    one. Any other name is keyed by itself: two names on one address may be two servers behind one
+    proxy (virtual hosts, an ingress). Where the host does not resolve in time, by itself too."""
     parsed = httpx.URL(url)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    path = parsed.path.rstrip("/")
+    by_name = frozenset({(parsed.host.lower(), port, path)})
     loop = asyncio.get_running_loop()
     try:
         found = await asyncio.wait_for(loop.getaddrinfo(parsed.host, port, type=socket.SOCK_STREAM), timeout_s)
     except (OSError, UnicodeError, TimeoutError):
-        return frozenset()
+        return by_name
     # A client connecting to the unspecified address reaches this host's loopback.
-    loopback = {"0.0.0.0": "127.0.0.1", "::": "::1"}
-    path = parsed.path.rstrip("/")
-    return frozenset((loopback.get(str(info[4][0]), str(info[4][0])), port, path) for info in found)
+    unspecified = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    addresses = {unspecified.get(str(info[4][0]), str(info[4][0])) for info in found}
+    loopback = all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
+    if not (loopback or _ip_literal(parsed.host)):
+        return by_name
+    return frozenset((address, port, path) for address in addresses)
+
+
+def _ip_literal(host: str) -> bool:
+    """An IP address, in any spelling the resolver takes (IPv6, 127.1, 0x7f.0.0.1, 2130706433)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    try:
+        socket.inet_aton(host)
+        return True
+    except OSError:
+        return False
 
 
 def _checked_env(found: _Discovered, client: EnvClient) -> EnvHandle:

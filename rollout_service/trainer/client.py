@@ -129,7 +129,13 @@ class _BaseClient:
             request = _checked(GroupRequest, fields)
         elif isinstance(request, dict):
             request = _checked(GroupRequest, {**request, **fields})
-        return request.model_dump(mode="json", exclude_none=True)
+        body = request.model_dump(mode="json", exclude_none=True)
+        for name, field in GroupRequest.model_fields.items():
+            # A null where the default is not one is a choice, not an absence: policy_failure_reward
+            # null excludes such attempts, where left out it would be the service's 0.0.
+            if getattr(request, name) is None and field.default is not None:
+                body[name] = None
+        return body
 
     @classmethod
     def _batch_group_body(cls, position: int, request: GroupRequest | dict) -> dict:
