@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from rollout_service.tools.stack import port_in_use
 
 
 def wait_until(predicate, timeout_s: float = 5.0, every_s: float = 0.1) -> bool:
@@ -83,3 +86,16 @@ def prompt_ids(attempt: dict, turn: int = 0) -> list[int]:
     segment = attempt["trajectory"][record["segment"]]
     [span] = [s for s in segment["turns"] if s["turn"] == record["index"]]
     return segment["token_ids"][: span["start"]]
+
+
+def unclaimed_ports(count: int = 1) -> int:
+    """A base port with `count` free ports from it, for a piece that listens there later (a test that
+    starts a service before its env, or restarts a process on its port). Below Linux's ephemeral range
+    (32768-60999): free_port()'s bind(0), in this worker or another, could be handed a port chosen
+    there before its piece binds it (a service once found another test's model server where its env
+    was to start, and failed)."""
+    for _ in range(200):
+        base = random.randrange(20000, 30000 - count + 1)  # Ray's workers take 30000 and up (test_cluster)
+        if not any(port_in_use(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port range")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import assert_accounted, assert_env_accounted, cli, wait_until
+from helpers import assert_accounted, assert_env_accounted, cli, unclaimed_ports, wait_until
 
 from inference import embedded_model
 from rollout_service.tools.stack import free_port, port_in_use
@@ -37,17 +37,6 @@ pytestmark = pytest.mark.alone
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_ports(count: int) -> int:
-    """A base port with `count` free ports from it (pieces of a kind listen on base + i). Below Linux's
-    ephemeral range (32768-60999), where the kernel hands out ports to other tests' bind(0) and
-    outgoing connections, which could take one between this check and the piece's own bind."""
-    for _ in range(200):
-        base = random.randrange(20000, 30000 - count + 1)  # Ray's workers take 30000 and up (ray_cluster)
-        if not any(port_in_use(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free port range")
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +145,7 @@ class Deployment:
 def deployment(ray_cluster, tmp_path_factory):
     address, env = ray_cluster
     folder = tmp_path_factory.mktemp("cluster")
-    replica, envs, service = free_ports(1), free_ports(3), free_ports(1)
+    replica, envs, service = unclaimed_ports(1), unclaimed_ports(3), unclaimed_ports(1)
     config = folder / "cluster.yaml"
     config.write_text(
         f"""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import assert_env_accounted, cli
+from helpers import assert_env_accounted, cli, unclaimed_ports
 
 from rollout_service.runs import read_groups, valid_run_id
 from rollout_service.tools.stack import ManagedProcess, free_port, refenv_command, service_command
@@ -48,7 +48,8 @@ REWARDS: list[list] = [
 def served_groups(tmp_path_factory, logs_dir) -> list[dict]:
     """Four groups of n=4 as the service's run log recorded them (see the module's docstring)."""
     runs = tmp_path_factory.mktemp("served") / "runs"
-    model_port, env_port, service_port = free_port(), free_port(), free_port()
+    model_port = unclaimed_ports(3)  # the three start in turn: none may be taken meanwhile
+    env_port, service_port = model_port + 1, model_port + 2
     procs = [
         ManagedProcess(
             "model-runs-export",

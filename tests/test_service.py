@@ -10,10 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import assert_accounted, prompt_ids, wait_until
+from helpers import assert_accounted, prompt_ids, unclaimed_ports, wait_until
 
 from inference import embedded_model
-from rollout_service.tools.stack import free_port
 from rollout_service.trainer import AsyncRolloutClient, RolloutClient, RolloutError, ServiceStarting
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 48}
@@ -297,12 +296,13 @@ def test_service_waits_for_an_env_and_a_model_server_that_start_after_it(
     """Pieces come up in any order (compose, Kubernetes, Ray): the service listens at once, says
     `starting` (503) with what it waits for, and serves once both have answered. The model server
     is the scripted stand-in: a real vLLM cannot be started late within a test's time."""
-    env_port, model_port = free_port(), free_port()
+    env_port = unclaimed_ports(2)  # unbound until the env and model start, seconds later
+    model_port = env_port + 1
     env_url, model_url = f"http://127.0.0.1:{env_port}", f"http://127.0.0.1:{model_port}"
     service = start_service([env_url], "--startup-timeout", "120", vllm=model_url, model="scripted", wait=False)
     client = RolloutClient(service.url)
     assert wait_until(lambda: httpx.get(f"{service.url}/health").status_code == 503, timeout_s=60)
-    assert client.health() == {"status": "starting"}
+    assert client.health() == {"status": "starting"}, client.health_detail()
     with pytest.raises(ServiceStarting) as refused:
         client.group(task_id="t001", n=2, sampling=SAMPLING)
     assert refused.value.status == 503 and env_url in refused.value.message and model_url in refused.value.message
