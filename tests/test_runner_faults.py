@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import httpx
+from helpers import results_alive
 
 from inference.client import ChatClient
 from rollout_service.protocol import EnvContract, GroupRequest
@@ -117,10 +118,6 @@ def test_finished_groups_are_not_retained_by_the_runner():
     """Memory stays bounded over a long run only if nothing keeps a group once its result is handed
     on: with the runner, scheduler, clients and metrics alive (as in the service), no attempt, turn
     or group result may survive its group. The oracle is the garbage collector's own object list."""
-    import gc
-
-    from rollout_service.protocol import Attempt, GroupResult, Turn
-
     obs = {"stage": "executor", "messages": [{"role": "user", "content": "q"}]}
     env = StandInEnv(
         reset={"episode_id": "step-9", "done": False, "observation": obs},
@@ -128,10 +125,7 @@ def test_finished_groups_are_not_retained_by_the_runner():
     )
 
     def alive() -> int:
-        gc.collect()
-        # By type: isinstance asks an object its __class__, and some run code (torch's deprecated
-        # reduce_op warns) when this worker has imported them.
-        return sum(issubclass(type(o), Attempt | Turn | GroupResult) for o in gc.get_objects())
+        return len(results_alive())
 
     async def go() -> tuple[int, int]:
         slots = EnvSlots(ENV, 4)

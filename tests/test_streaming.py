@@ -9,7 +9,7 @@ import os
 import signal
 
 import httpx
-from helpers import wait_until
+from helpers import results_alive, wait_until
 
 SQL_ONCE = {"temperature": 0.8, "max_tokens": 16}
 
@@ -74,7 +74,6 @@ def test_the_http_layer_keeps_no_group_once_it_is_sent(start_refenv, start_scrip
 
     from starlette.testclient import TestClient
 
-    from rollout_service.protocol import Attempt, GroupResult, Turn
     from rollout_service.server.app import create_app
     from rollout_service.server.config import ServiceConfig
 
@@ -103,11 +102,10 @@ def test_the_http_layer_keeps_no_group_once_it_is_sent(start_refenv, start_scrip
         assert wait_until(lambda: log.exists() and log.read_text().count(marker) == 9, 10)
         del answer, response, line
 
-        gc.collect()
-        # By type, through the base classes' own methods: other objects in this process (a lazy
-        # mapping of transformers') run code of their own when asked for their items.
-        results = [type(o).__name__ for o in gc.get_objects() if issubclass(type(o), Attempt | Turn | GroupResult)]
+        results = results_alive()  # collects first
         assert not results, f"{len(results)} result objects alive after their groups were sent"
+        # Containers by type, through the base classes' own methods: other objects in this process (a
+        # lazy mapping of transformers') run code of their own when asked for their items.
         text, raw = marker, marker.encode()  # names, not a container the scan would find
         holders = []  # what holds one, with the id left out (so this list holds none)
         for o in gc.get_objects():

@@ -102,6 +102,10 @@ class TaskTarget:
     def candidates(self, include_eval: bool) -> list[str]:
         return [e.url for e in self.envs if include_eval or e.contract.side != "eval"]
 
+    def drained(self, include_eval: bool) -> bool:
+        """Whether every env of `candidates` drains: none starts an episode of it (true of none at all)."""
+        return all(e.slots.draining for e in self.envs if include_eval or e.contract.side != "eval")
+
 
 @dataclass
 class RunnerConfig:

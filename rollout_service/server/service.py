@@ -556,8 +556,8 @@ class RolloutService:
                 f"({', '.join(e.url for e in target.envs)}): training on it leaks the held-out "
                 "set. Set allow_eval_side: true if you mean to",
             )
-        candidates = target.candidates(request.allow_eval_side)
-        if all(self.envs[url].slots.draining for url in candidates):
+        if target.drained(request.allow_eval_side):
+            candidates = target.candidates(request.allow_eval_side)
             raise RequestRefused(
                 503,
                 "envs_draining",
@@ -681,13 +681,12 @@ class RolloutService:
             return []
         stranded = []
         for target in self.targets.values():
-            training = [env for env in target.envs if env.contract.side != "eval"]
-            for envs in (target.envs, training):
-                if envs and all(env.slots.draining for env in envs):
-                    stranded.append(target.task_id)
+            # As resolve() refuses groups: with eval-side envs, or (a task some training env serves)
+            # without them.
+            if target.drained(include_eval=True) or (target.candidates(False) and target.drained(False)):
+                stranded.append(target.task_id)
+                if first_only:
                     break
-            if stranded and first_only:
-                break
         if not stranded:
             return []
         named = ", ".join(stranded[:5]) + (f" and {len(stranded) - 5} more" if len(stranded) > 5 else "")
