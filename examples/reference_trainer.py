@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from inference import embedded_model
-from rollout_service.protocol import Attempt, GroupResult
+from rollout_service.protocol import GRADED_STATUSES, Attempt, GroupResult
 from rollout_service.server.config import ServiceConfig
 from rollout_service.tools.measure import run_measure
 from rollout_service.tools.stack import LocalStack, free_port
@@ -527,7 +527,7 @@ class Run:
 
 def _reward_stats(groups: list[GroupResult]) -> dict:
     rewards = [a.reward for g in groups for a in g.attempts if a.reward is not None]
-    graded = [a for g in groups for a in g.attempts if a.status in ("scored", "policy_failure")]
+    graded = [a for g in groups for a in g.attempts if a.status in GRADED_STATUSES]
     passes = sum(bool(a.pass_) for a in graded)
     return {
         "groups": len(groups),

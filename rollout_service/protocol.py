@@ -80,6 +80,9 @@ REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles
 AttemptStatus = Literal[
     "scored", "policy_failure", "env_failure", "inference_failure", "stale", "cancelled", "internal_error"
 ]
+# The statuses that carry a reward and enter the group's advantages: the env graded the attempt, or
+# the policy failed it (earning policy_failure_reward). Every other status is infrastructure's doing.
+GRADED_STATUSES: frozenset[str] = frozenset({"scored", "policy_failure"})
 
 # Every reason an attempt can end without the env's grade. A closed set: the README lists each.
 FailureKind = Literal[

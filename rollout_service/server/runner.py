@@ -27,6 +27,7 @@ from inference.transport import JsonList
 
 from ..advantages import group_advantages, summarize
 from ..protocol import (
+    GRADED_STATUSES,
     Attempt,
     AttemptStatus,
     AttemptTimings,
@@ -252,7 +253,7 @@ class GroupRunner:
     def _went_stale(self, request: GroupRequest, attempt: Attempt) -> bool:
         """Turn a graded attempt (scored, or failed by the policy) whose oldest turn is now further
         behind than the bound into a stale failure; True if it did."""
-        if attempt.status not in ("scored", "policy_failure"):
+        if attempt.status not in GRADED_STATUSES:
             return False
         why = self._stale_reason(request, attempt)
         if why is None:
@@ -668,7 +669,7 @@ def assemble(
         if a.status == "policy_failure":
             a.reward, a.pass_ = request.policy_failure_reward, False
         a.oldest_policy_version, a.newest_policy_version = _version_span(a.turns, versions)
-    rewards = [a.reward if a.status in ("scored", "policy_failure") else None for a in attempts]
+    rewards = [a.reward if a.status in GRADED_STATUSES else None for a in attempts]
     advantages = group_advantages(rewards, request.advantage)
     for attempt, advantage in zip(attempts, advantages, strict=True):
         attempt.advantage = advantage
@@ -679,7 +680,7 @@ def assemble(
         by_status[a.status] = by_status.get(a.status, 0) + 1
     scored = by_status.get("scored", 0)
     policy_failed = by_status.get("policy_failure", 0)
-    graded = [a for a in attempts if a.status in ("scored", "policy_failure")]
+    graded = [a for a in attempts if a.status in GRADED_STATUSES]
     s = request.sampling
     diagnosis = None
     if all_equal:
