@@ -259,26 +259,27 @@ def test_a_replica_added_serves_once_on_the_current_version_and_a_removed_one_fi
 
 def _service_with(tasks: list[tuple[str, str]]):
     """A service (not started: no servers) with env http://a:1 serving `tasks` (id, slug)."""
-    from rollout_service.server import service as module
+    from rollout_service.server import envs as module
     from rollout_service.server.config import ServiceConfig
     from rollout_service.server.env_client import EnvClient, EnvHealth, EnvTask
     from rollout_service.server.scheduler import WorldScheduler
+    from rollout_service.server.service import RolloutService
 
-    svc = module.RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://m:1"], model="m"))
+    svc = RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://m:1"], model="m"))
     health = EnvHealth(
         status="ready", workers=2, dataset={"catalog_hash": "h"}, reward_version="r", reward_profile="rl"
     )
-    found = module._Discovered("http://a:1", health, [EnvTask(task_id=t, slug=s) for t, s in tasks])
-    env = module._checked_env(found, EnvClient("http://a:1"))
-    svc.envs[env.url] = env
-    svc._index_tasks(env, found.tasks)
-    svc.scheduler = WorldScheduler([env.slots])
+    found = module.Discovered("http://a:1", health, [EnvTask(task_id=t, slug=s) for t, s in tasks])
+    env = module.checked_env(found, EnvClient("http://a:1"))
+    svc.envs.envs[env.url] = env
+    svc.envs.index_tasks(env, found.tasks)
+    svc.lifecycle.scheduler = WorldScheduler([env.slots])
 
     def discovers(answer: list[tuple[str, str]]) -> None:
-        async def ask(url: str, client: EnvClient) -> module._Discovered:
-            return module._Discovered(url, health, [EnvTask(task_id=t, slug=s) for t, s in answer])
+        async def ask(url: str, client: EnvClient) -> module.Discovered:
+            return module.Discovered(url, health, [EnvTask(task_id=t, slug=s) for t, s in answer])
 
-        module._ask_env = ask  # type: ignore[assignment]
+        module.ask_env = ask  # type: ignore[assignment]
 
     return svc, discovers
 
@@ -289,27 +290,27 @@ def test_an_env_whose_slug_names_another_task_is_refused_and_a_task_listed_twice
     import asyncio
 
     from rollout_service.protocol import EnvAdd, EnvRemove, GroupRequest
-    from rollout_service.server import service as module
-    from rollout_service.server.errors import RequestRefused
+    from rollout_service.server import envs as module
+    from rollout_service.server.errors import Conflict, NotFound, RequestRefused
 
-    monkeypatch.setattr(module, "_ask_env", module._ask_env)  # restored after the test
+    monkeypatch.setattr(module, "ask_env", module.ask_env)  # restored after the test
     svc, discovers = _service_with([("t1", "s1")])
-    svc.refuse_unless_ready = lambda: None  # type: ignore[method-assign]
+    svc.lifecycle.refuse_unless_ready = lambda: None  # type: ignore[method-assign]
 
     async def scenario() -> None:
         discovers([("t3", "s1")])
         with pytest.raises(RequestRefused) as refused:
-            await svc.add_env(EnvAdd(url="http://c:1"))
-        assert refused.value.status == 409 and "slug" in refused.value.message
-        assert svc.by_slug["s1"] == "t1" and "http://c:1" not in svc.envs
+            await svc.envs.add(EnvAdd(url="http://c:1"))
+        assert isinstance(refused.value, Conflict) and "slug" in refused.value.message
+        assert svc.envs.by_slug["s1"] == "t1" and "http://c:1" not in svc.envs.envs
         discovers([("t2", "s2"), ("t2", "s2")])
-        await svc.add_env(EnvAdd(url="http://b:1"))
-        assert [e.url for e in svc.targets["t2"].envs] == ["http://b:1"]
-        removed = await svc.remove_env(EnvRemove(url="http://b:1"))
-        assert removed.tasks_no_longer_served == ["t2"] and "t2" not in svc.targets
+        await svc.envs.add(EnvAdd(url="http://b:1"))
+        assert [e.url for e in svc.envs.targets["t2"].envs] == ["http://b:1"]
+        removed = await svc.envs.remove(EnvRemove(url="http://b:1"))
+        assert removed.tasks_no_longer_served == ["t2"] and "t2" not in svc.envs.targets
         with pytest.raises(RequestRefused) as unknown:
-            svc.resolve(GroupRequest(task_id="t2", n=1))
-        assert unknown.value.status == 404
+            svc.admission.resolve(GroupRequest(task_id="t2", n=1))
+        assert isinstance(unknown.value, NotFound)
 
     asyncio.run(scenario())
 
@@ -402,7 +403,7 @@ def test_health_names_tasks_whose_every_env_drains_on_the_training_side_too():
     """A task served by a training env and an eval-side one is stranded for training groups (all a
     group without allow_eval_side may use) once the training env drains: /health must say so, as when
     every env of a task drains. Break tried: only `every env drains` checked -> t1 goes unnamed."""
-    from rollout_service.server import service as module
+    from rollout_service.server import envs as module
     from rollout_service.server.env_client import EnvClient, EnvHealth, EnvTask
 
     svc, _ = _service_with([("t1", "s1"), ("t2", "s2")])
@@ -414,32 +415,32 @@ def test_health_names_tasks_whose_every_env_drains_on_the_training_side_too():
         reward_profile="rl",
         capabilities={"side": "eval"},
     )
-    found = module._Discovered("http://e:1", health, [EnvTask(task_id="t1", slug="s1")])
-    evaluator = module._checked_env(found, EnvClient("http://e:1"))
-    svc.envs[evaluator.url] = evaluator
-    svc._index_tasks(evaluator, found.tasks)
-    assert svc._unserved() == []
-    svc.envs["http://a:1"].slots.draining = True
-    [reason] = svc._unserved()
+    found = module.Discovered("http://e:1", health, [EnvTask(task_id="t1", slug="s1")])
+    evaluator = module.checked_env(found, EnvClient("http://e:1"))
+    svc.envs.envs[evaluator.url] = evaluator
+    svc.envs.index_tasks(evaluator, found.tasks)
+    assert svc.envs.unserved() == []
+    svc.envs.envs["http://a:1"].slots.draining = True
+    [reason] = svc.envs.unserved()
     assert "draining envs (all, or all on the training side): t1, t2." in reason, reason
-    [first] = svc._unserved(first_only=True)
+    [first] = svc.envs.unserved(first_only=True)
     assert ": t1." in first, first  # what status() asks: one is enough
-    svc.envs.clear()
-    assert svc._unserved() == ["no env: every env was removed (POST /envs adds one)"]
+    svc.envs.envs.clear()
+    assert svc.envs.unserved() == ["no env: every env was removed (POST /envs adds one)"]
 
 
 def test_one_server_under_two_names_shares_a_key_and_a_proxys_names_do_not(monkeypatch):
-    """The same-server check's keys (service._server_addresses). This host's loopback and IP
+    """The same-server check's keys (envs.server_addresses). This host's loopback and IP
     addresses, however spelled, are keyed by address; other names by themselves, since two names on
     one address may be two servers behind one proxy (virtual hosts, an ingress). Break tried: keying
     every name by its addresses -> the proxy's two names share a key, fails."""
     import asyncio
     import socket
 
-    from rollout_service.server import service as module
+    from rollout_service.server import envs as module
 
     def key(url: str) -> frozenset:
-        return asyncio.run(module._server_addresses(url))
+        return asyncio.run(module.server_addresses(url))
 
     first = key("http://127.0.0.1:8090")
     for alias in ("http://localhost:8090", "http://127.1:8090/", "http://0x7f.0.0.1:8090", "http://0.0.0.0:8090"):

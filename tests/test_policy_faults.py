@@ -20,6 +20,7 @@ from fake_vllm import BASE, checkpoint, made_by, make_manager
 
 from inference.client import ChatClient, InferenceUnreachable
 from rollout_service.protocol import EnvContract, GroupRequest, PolicyUpdate, PolicyUpdateResult
+from rollout_service.server.app import http_status
 from rollout_service.server.env_client import EnvClient
 from rollout_service.server.errors import RequestRefused
 from rollout_service.server.health import BackendMonitor
@@ -161,7 +162,7 @@ def test_r3_a_reload_failing_half_way_excludes_the_replica_and_marks_the_frozen_
         assert await until(lambda: bool(r0.chats()))
         with pytest.raises(RequestRefused) as refused:
             await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))
-        assert refused.value.status == 502
+        assert http_status(refused.value) == 502
         assert r0.weights == v2 + "-HALF"  # the fake: neither v1 nor v2 any more
         assert ep0.excluded is not None, "a replica with half-reloaded weights stayed in routing"
         out = await in_flight
@@ -282,7 +283,7 @@ def test_r9_a_second_bare_update_after_one_pause_is_refused_not_paused():
         done = [r for r in results if isinstance(r, PolicyUpdateResult)]
         refused = [r for r in results if isinstance(r, RequestRefused)]
         assert len(done) == 1 and len(refused) == 1, results
-        assert (refused[0].status, refused[0].error) == (409, "not_paused")
+        assert (http_status(refused[0]), refused[0].error) == (409, "not_paused")
         # The fake: each replica was labelled once, with the version that was accepted.
         now = [len(r.calls("/update_weight_version")) for r in fleet.replicas.values()]
         assert [a - b for a, b in zip(now, labelled, strict=True)] == [1, 1]
@@ -453,8 +454,8 @@ def test_r15_a_replica_found_restarted_after_a_stop_gets_no_restore(tmp_path, st
             await pm.close()
         else:
             svc = RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://r0"], model=BASE))
-            await svc.versions.weights.aclose()
-            svc.versions = pm
+            await svc.replicas.versions.weights.aclose()
+            svc.replicas.versions = pm
             svc.cancel_running()
         await pm.reconcile(ep1, await chat.list_models(ep1))
         await asyncio.sleep(0)  # a restore spawned now would have made its first call by the next check

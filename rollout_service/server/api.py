@@ -1,6 +1,7 @@
 """The HTTP routes: POST /groups, POST /groups/batch (NDJSON), /policy, /envs, /replicas, /health, /tasks, /metrics.
 
-Routes only: the logic is in `RolloutService`, reached through `request.app.state.service`.
+Routes only: the logic is in the service's rooms (admission, envs, replicas, policy, health), reached
+through `request.app.state.service`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from ..protocol import (
     ReplicaRemove,
     ReplicaState,
 )
-from .errors import RequestRefused, shutting_down
+from .errors import Invalid, shutting_down
+from .health_detail import HealthDetail
 from .service import RolloutService
 
 router = APIRouter()
@@ -48,7 +50,7 @@ def _service(request: Request) -> RolloutService:
 def _ready(request: Request) -> RolloutService:
     """The service, or 503 `starting` (with what it waits for) while its backends are not all up."""
     service = _service(request)
-    service.refuse_unless_ready()
+    service.lifecycle.refuse_unless_ready()
     return service
 
 
@@ -88,7 +90,7 @@ def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[.
 @with_cancellation
 async def post_group(body: GroupRequest, request: Request) -> Response:
     service = _service(request)
-    (task,) = service.start_groups([body])
+    (task,) = service.admission.start_groups([body])
     try:
         result = await task
     except asyncio.CancelledError:
@@ -107,13 +109,12 @@ async def post_group(body: GroupRequest, request: Request) -> Response:
 async def post_batch(body: BatchRequest, request: Request) -> StreamingResponse:
     service = _service(request)
     if len(body.groups) > service.config.max_batch:
-        raise RequestRefused(
-            422,
+        raise Invalid(
             "batch_too_large",
             f"{len(body.groups)} groups is over this service's maximum of "
             f"{service.config.max_batch} per batch (--max-batch)",
         )
-    tasks = service.start_groups(body.groups)
+    tasks = service.admission.start_groups(body.groups)
     sizes = [g.n for g in body.groups]
     return StreamingResponse(_stream(request, service, tasks, sizes), media_type="application/x-ndjson")
 
@@ -143,7 +144,7 @@ async def _stream(
         watcher.cancel()
         # Handed to the service rather than awaited here: a disconnect cancels every await of this
         # generator's cleanup, which would cut the slicing short.
-        service.cancel_in_background({task: sizes[index] for task, index in pending.items()})
+        service.admission.cancel_in_background({task: sizes[index] for task, index in pending.items()})
 
 
 def _error_line(index: int, error: str, message: str) -> bytes:
@@ -152,7 +153,7 @@ def _error_line(index: int, error: str, message: str) -> bytes:
 
 @router.get("/policy", response_model=PolicyState, summary="The policy version served, per replica, and recent updates")
 async def get_policy(request: Request) -> PolicyState:
-    return _ready(request).versions.state()
+    return _ready(request).replicas.versions.state()
 
 
 @router.post(
@@ -166,7 +167,7 @@ async def get_policy(request: Request) -> PolicyState:
 )
 async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResult:
     # Not cancelled with its client: an update half-applied to the replicas must finish either way.
-    return await asyncio.shield(_ready(request).versions.update(body))
+    return await asyncio.shield(_ready(request).replicas.versions.update(body))
 
 
 @router.post(
@@ -176,13 +177,13 @@ async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResul
     summary="Hold every policy replica paused while the trainer pushes weights itself; POST /policy resumes",
 )
 async def pause_policy(request: Request) -> PolicyState:
-    return await asyncio.shield(_ready(request).versions.pause())
+    return await asyncio.shield(_ready(request).replicas.versions.pause())
 
 
 @router.get("/envs", response_model=list[EnvState], summary="The envs scheduled on, with their pools and slots held")
 async def list_envs(request: Request) -> list[EnvState]:
-    service = _ready(request)
-    return [service.env_state(env) for env in service.envs.values()]
+    envs = _ready(request).envs
+    return [envs.state(env) for env in envs.envs.values()]
 
 
 @router.post(
@@ -196,7 +197,7 @@ async def list_envs(request: Request) -> list[EnvState]:
     "env_incomparable). Attempts already queued for its tasks may take its worlds at once.",
 )
 async def add_env(body: EnvAdd, request: Request) -> EnvState:
-    return await _service(request).add_env(body)
+    return await _service(request).envs.add(body)
 
 
 @router.post(
@@ -206,7 +207,7 @@ async def add_env(body: EnvAdd, request: Request) -> EnvState:
     summary="Start no new episode on an env; the episodes on it finish",
 )
 async def drain_env(body: EnvRef, request: Request) -> EnvState:
-    return _service(request).drain_env(body)
+    return _service(request).envs.drain(body)
 
 
 @router.post(
@@ -219,7 +220,7 @@ async def drain_env(body: EnvRef, request: Request) -> EnvState:
 )
 async def remove_env(body: EnvRemove, request: Request) -> EnvRemoved:
     # Not cancelled with its client: a removal half done (drained, not yet forgotten) finishes either way.
-    return await asyncio.shield(_service(request).remove_env(body))
+    return await asyncio.shield(_service(request).envs.remove(body))
 
 
 @router.post(
@@ -235,7 +236,7 @@ async def remove_env(body: EnvRemove, request: Request) -> EnvRemoved:
     "replica's restore) still runs at timeout_s; add it again.",
 )
 async def add_replica(body: ReplicaAdd, request: Request) -> ReplicaState:
-    return await asyncio.shield(_service(request).add_replica(body))
+    return await asyncio.shield(_service(request).replicas.add(body))
 
 
 @router.post(
@@ -245,7 +246,7 @@ async def add_replica(body: ReplicaAdd, request: Request) -> ReplicaState:
     summary="Send no new turn to a replica; groups pinned there move at their next turn",
 )
 async def drain_replica(body: ReplicaRef, request: Request) -> ReplicaState:
-    return _service(request).drain_replica(body)
+    return _service(request).replicas.drain(body)
 
 
 @router.post(
@@ -257,7 +258,7 @@ async def drain_replica(body: ReplicaRef, request: Request) -> ReplicaState:
     "last_replica: a route keeps one replica that is not draining.",
 )
 async def remove_replica(body: ReplicaRemove, request: Request) -> ReplicaState:
-    return await asyncio.shield(_service(request).remove_replica(body))
+    return await asyncio.shield(_service(request).replicas.remove(body))
 
 
 @router.get(
@@ -265,21 +266,23 @@ async def remove_replica(body: ReplicaRemove, request: Request) -> ReplicaState:
     summary="Status only (ok, degraded, starting, failed): cheap and public; 503 until started, so probes wait",
 )
 async def health(request: Request) -> Response:
-    status = _service(request).status()
+    status = _service(request).health.status()
     return JSONResponse({"status": status}, status_code=503 if status in ("starting", "failed") else 200)
 
 
 @router.get(
     "/health/detail",
+    response_model=HealthDetail,
+    response_model_exclude_unset=True,
     summary="Each env and model server as last probed, the run log, the queues (behind the API key when one is set)",
 )
-async def health_detail(request: Request) -> dict:
-    return _service(request).health_detail()
+async def health_detail(request: Request) -> HealthDetail:
+    return _service(request).health.detail()
 
 
 @router.get("/tasks", summary="Tasks served by the envs")
 async def tasks(request: Request) -> dict:
-    listed = _ready(request).task_list()
+    listed = _ready(request).envs.task_list()
     return {"tasks": listed, "count": len(listed)}
 
 

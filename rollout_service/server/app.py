@@ -14,10 +14,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import installed_version
 from ..protocol import describe_errors
 from .api import router
 from .config import ServiceConfig
-from .errors import RequestRefused, StartupError
+from .errors import (
+    BackendFailed,
+    BackendTimedOut,
+    Conflict,
+    Invalid,
+    NotFound,
+    RequestRefused,
+    StartupError,
+    TooBusy,
+    Unavailable,
+)
 from .middleware import BearerAuth, BodyLimit, error_response
 from .service import RolloutService
 
@@ -63,8 +74,24 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(exc.status_code, code, str(exc.detail))
 
 
+# Each kind of refusal's HTTP status: the one place the rooms' errors meet HTTP.
+HTTP_STATUS: dict[type[RequestRefused], int] = {
+    NotFound: 404,
+    Conflict: 409,
+    Invalid: 422,
+    TooBusy: 429,
+    BackendFailed: 502,
+    Unavailable: 503,
+    BackendTimedOut: 504,
+}
+
+
+def http_status(exc: RequestRefused) -> int:
+    return next(HTTP_STATUS[kind] for kind in type(exc).__mro__ if kind in HTTP_STATUS)
+
+
 async def _refused(request: Request, exc: RequestRefused) -> JSONResponse:
-    return error_response(exc.status, exc.error, exc.message, exc.headers)
+    return error_response(http_status(exc), exc.error, exc.message, exc.headers)
 
 
 async def _bug(request: Request, exc: Exception) -> JSONResponse:
@@ -77,12 +104,12 @@ def _started(app: FastAPI, start: asyncio.Future) -> None:
     if start.cancelled() or start.exception() is None:
         return
     failure = start.exception()
-    if app.state.service.closing:  # a stop was asked for while it waited: not a failed start
+    if app.state.service.lifecycle.closing:  # a stop was asked for while it waited: not a failed start
         return
     if isinstance(failure, StartupError):
-        app.state.service.startup_failure = str(failure)
+        app.state.service.lifecycle.startup_failure = str(failure)
     else:
-        app.state.service.startup_failure = f"{type(failure).__name__}: {failure}"
+        app.state.service.lifecycle.startup_failure = f"{type(failure).__name__}: {failure}"
         log.error("start-up failed", exc_info=failure)
     stop = getattr(app.state, "stop_server", None)
     if stop is not None:
@@ -111,7 +138,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
 
     app = FastAPI(
         title="rollout-service",
-        version="0.2.0",
+        version=installed_version(),
         lifespan=lifespan,
         description="Reward groups for RL post-training, generated on vLLM against step-driven environments.",
     )

@@ -7,7 +7,7 @@ generated from `ServiceConfig` (see `rollout_service.flags`).
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,6 +16,8 @@ from ..protocol import http_url
 from ..runs import valid_run_id
 
 ENV_PREFIX = "ROLLOUT_"
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+LogFormat = Literal["text", "json"]
 
 
 class EndpointSpec(BaseModel):
@@ -122,7 +124,14 @@ class ServiceConfig(BaseModel):
         description="finished groups waiting to be written to the run log; past it, groups are "
         "dropped from the log (counted, /health degraded) rather than held in memory",
     )
-    log_level: Annotated[str, Flag(env=False)] = Field("warning", description="uvicorn log level")
+    log_level: Annotated[LogLevel, Flag(metavar="LEVEL")] = Field(
+        "info",
+        description="the service's log level (debug, info, warning, error, critical); lifecycle events are "
+        "info, debug adds uvicorn's access log",
+    )
+    log_format: Annotated[LogFormat, Flag(metavar="FORMAT")] = Field(
+        "text", description="text (a line each, with the time) or json (one object a line, for log collectors)"
+    )
 
     @field_validator("model_endpoint", mode="before")
     @classmethod

@@ -1,4 +1,8 @@
-"""What the service answers when it cannot do what was asked."""
+"""What the service answers when it cannot do what was asked: one exception per kind of refusal.
+
+The rooms raise these; `app.py` maps each kind to its HTTP status in one table (`HTTP_STATUS`), and
+every refusal is answered with the same JSON body: `{"error": code, "message": what to change}`.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +16,43 @@ class IncomparableEnv(StartupError):
 
 
 class RequestRefused(Exception):
-    """A trainer's request cannot be served as sent: HTTP status, code, what to change, extra headers."""
+    """A request cannot be served as sent: a code a program can test, what to change, extra headers."""
 
-    def __init__(self, status: int, error: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, error: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.error, self.message, self.headers = status, error, message, headers or {}
+        self.error, self.message, self.headers = error, message, headers or {}
 
 
-def shutting_down() -> RequestRefused:
-    return RequestRefused(
-        503,
+class NotFound(RequestRefused):
+    """It names a task, env, replica or model this service does not have."""
+
+
+class Conflict(RequestRefused):
+    """It clashes with the service's state (present already, busy, draining, paused)."""
+
+
+class Invalid(RequestRefused):
+    """It is well formed but cannot be served as asked (over a limit, refused by a backend's check)."""
+
+
+class TooBusy(RequestRefused):
+    """The service is full for now: send it again later (Retry-After)."""
+
+
+class Unavailable(RequestRefused):
+    """The service cannot serve it now (starting, shutting down, every env draining)."""
+
+
+class BackendFailed(RequestRefused):
+    """A backend asked on the request's behalf failed (a policy update no replica took)."""
+
+
+class BackendTimedOut(RequestRefused):
+    """A backend did not answer within the request's timeout_s."""
+
+
+def shutting_down() -> Unavailable:
+    return Unavailable(
         "shutting_down",
         "the service is shutting down; this group's episodes were abandoned "
         "and its worlds given back. Send it again to a running service",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .policy import PolicyManager
-    from .runner import EnvHandle, ModelRoute
+    from .targets import EnvHandle, ModelRoute
 
 _PROBE_TIMEOUT_S = 3.0
 

@@ -28,7 +28,7 @@ from inference.client import ChatClient, Endpoint, InferenceError
 from inference.weights import WeightsClient, WeightUpdateError
 
 from ..protocol import PolicyState, PolicyUpdate, PolicyUpdateResult, ReplicaState, ReplicaUpdate
-from .errors import RequestRefused, StartupError
+from .errors import BackendFailed, Conflict, Invalid, StartupError
 from .metrics import Metrics
 
 log = logging.getLogger("rollout_service.policy")
@@ -186,8 +186,8 @@ class PolicyManager:
             failed = [o for o in outcomes if not o.ok]
             if failed:
                 await self._resume([o.url for o in outcomes if o.ok])
-                status = 409 if all(o.refused for o in failed) else 502
-                raise RequestRefused(status, "pause_failed", _describe(failed, "could not pause"))
+                kind = Conflict if all(o.refused for o in failed) else BackendFailed
+                raise kind("pause_failed", _describe(failed, "could not pause"))
             self.paused, self.paused_since = True, time.time()
             self._paused_urls = [e.url for e in endpoints]
             self._unpaused.clear()
@@ -196,14 +196,13 @@ class PolicyManager:
     async def update(self, update: PolicyUpdate) -> PolicyUpdateResult:
         async with self._lock:
             if update.lora is None and update.weights is None and not self.paused:
-                raise RequestRefused(
-                    409,
+                raise Conflict(
                     "not_paused",
                     "a version with neither lora nor weights finishes a weight transfer the trainer pushed "
                     "itself: POST /policy/pause first, push the weights, then POST /policy {version}",
                 )
             if update.version in self._steps:
-                raise RequestRefused(409, "version_exists", f"version {update.version!r} was already served")
+                raise Conflict("version_exists", f"version {update.version!r} was already served")
             started = time.monotonic()
             previous = self.current
             step = previous.step + 1
@@ -235,14 +234,13 @@ class PolicyManager:
                     if not outcome.ok and not outcome.unchanged:
                         self.client.exclude(self._endpoint(outcome.url), f"reload failed: {outcome.error}")
             if not took:
-                status = 422 if all(o.refused for o in outcomes) else 502
+                refusal = Invalid if all(o.refused for o in outcomes) else BackendFailed
                 kept = (
                     "every replica keeps"
                     if version.kind == "lora"
                     else "replicas whose reload failed stay out of routing until checked; the others keep"
                 )
-                raise RequestRefused(
-                    status,
+                raise refusal(
                     "update_failed",
                     f"no policy replica took version {update.version!r}; {kept} serving "
                     f"{previous.label!r}. " + _describe(outcomes, "failed"),
@@ -493,7 +491,7 @@ class PolicyManager:
                     await self._bring_to(url, version)
                     self.serving[url] = version.label
                     self.client.exclude(endpoint, None)
-                    log.warning("replica %s brought back to version %s", url, version.label)
+                    log.info("replica %s brought back to version %s", url, version.label)
         except WeightUpdateError as exc:
             self.client.exclude(endpoint, f"could not be brought to version {version.label}: {exc.detail}")
         finally:
@@ -633,15 +631,14 @@ def check_checkpoint(path: str) -> None:
     except (OSError, ValueError):  # a name the file system refuses (a NUL byte, too long)
         found = False
     if not found:
-        raise RequestRefused(
-            422,
+        raise Invalid(
             "checkpoint_not_found",
             f"{path} is not a folder this service can read: full-weight updates need the checkpoint on "
             "storage the service and the model servers share (a failed reload breaks a vLLM replica)",
         )
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-        raise RequestRefused(
-            422, "checkpoint_incomplete", f"{path} holds no config.json and *.safetensors weights: not a checkpoint"
+        raise Invalid(
+            "checkpoint_incomplete", f"{path} holds no config.json and *.safetensors weights: not a checkpoint"
         )
 
 

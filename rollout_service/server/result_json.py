@@ -8,8 +8,8 @@ int over 64 bits). Here, not in the protocol, because a trainer installs no orjs
 
 Most of a group is its trajectories' arrays and its turns' ids and messages. The arrays and ids
 the service builds are JsonLists (inference/transport.py), which kept their JSON as they grew: they
-are copied into the result as written, not serialised again (a group's JSON took ~9% of the
-service's CPU at the ceiling before, 2026-12-02). Bytes, not str: the stream and the run log send them as they are.
+are copied into the result as written, not serialised again (serialising them again costs ~9% of the
+service's CPU at the ceiling). Bytes, not str: the stream and the run log send them as they are.
 """
 
 from __future__ import annotations

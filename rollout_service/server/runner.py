@@ -18,37 +18,35 @@ from typing import Any, cast
 
 from inference.client import (
     BadInferenceResponse,
-    ChatClient,
     ContextOverflow,
     InferenceError,
     structured_output,
 )
 from inference.transport import JsonList
 
-from ..advantages import group_advantages, summarize
 from ..protocol import (
     GRADED_STATUSES,
     Attempt,
-    AttemptStatus,
     AttemptTimings,
-    Counts,
-    EnvContract,
     Failure,
     FailureKind,
     GroupRequest,
     GroupResult,
     Turn,
 )
-from .env_client import BadEnvAnswer, EnvClient, EnvError, EnvUnreachable, StepAnswer
+from ..retry import Backoff
+from .env_client import BadEnvAnswer, EnvError, EnvUnreachable, StepAnswer
 from .metrics import Metrics
+from .outcome import assemble, fail, fail_stale, failed, score
 from .policy import PolicyManager
 from .scheduler import EnvSlots, NoEnvLeft, WorldScheduler
-from .trajectory import TemplateRenderer, TokenPromptsUnsupported, TrajectoryBuilder
+from .targets import EnvHandle, ModelRoute, TaskTarget
+from .trajectory import TokenPromptsUnsupported, TrajectoryBuilder
+
+__all__ = ["EnvHandle", "GroupRunner", "ModelRoute", "RunnerConfig", "TaskTarget"]
 
 log = logging.getLogger("rollout_service.runner")
 
-# The env finished the episode but says it could not grade it: infrastructure, not a zero.
-UNSCORABLE_CATEGORIES = ("transport_error", "environment_failure")
 _SEED_STRIDE = 7919  # attempt i samples with seed + i * stride + turn: different, the same on a rerun
 # How long an ending keeps DELETEing an episode the env will not give back: the contract's idle
 # reclaim (5 minutes by default) plus a margin; past it the env has ended the episode itself.
@@ -56,56 +54,6 @@ ABANDON_PATIENCE_S = 330.0
 # Re-runs of an attempt that fell behind max_staleness, on top of `retries`: past them the policy
 # moves faster than this task's episodes finish, and the attempt is returned as failed (stale).
 MAX_STALE_RERUNS = 8
-
-
-@dataclass
-class ModelRoute:
-    """Who answers a stage: a model (as results name it) on a chat client."""
-
-    model: str
-    client: ChatClient
-    served_model: str | None = None  # the name the server knows it by, when it differs
-    renderer: TemplateRenderer | None = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        if self.client.token_ids:  # a server that returns token ids may take token prompts too
-            self.renderer = TemplateRenderer(self.client, self.request_model)
-
-    @property
-    def request_model(self) -> str:
-        return self.served_model or self.model
-
-
-@dataclass
-class EnvHandle:
-    url: str
-    client: EnvClient
-    slots: EnvSlots
-    contract: EnvContract
-
-
-@dataclass
-class TaskTarget:
-    """A task and the envs that serve it now (all with the same dataset fingerprint): the service
-    adds and removes envs here as they come and go, and each try asks it afresh."""
-
-    task_id: str
-    slug: str
-    envs: list[EnvHandle]
-    contract: EnvContract = field(init=False)  # the dataset and reward every env of it shares
-
-    def __post_init__(self) -> None:
-        self.contract = self.envs[0].contract
-
-    def env(self, url: str) -> EnvHandle:
-        return next(e for e in self.envs if e.url == url)
-
-    def candidates(self, include_eval: bool) -> list[str]:
-        return [e.url for e in self.envs if include_eval or e.contract.side != "eval"]
-
-    def drained(self, include_eval: bool) -> bool:
-        """Whether every env of `candidates` drains: none starts an episode of it (true of none at all)."""
-        return all(e.slots.draining for e in self.envs if include_eval or e.contract.side != "eval")
 
 
 @dataclass
@@ -244,7 +192,7 @@ class GroupRunner:
                 raise
             except Exception as exc:  # a bug outside the episode loop: this attempt fails, its siblings go on
                 log.exception("attempt %d of group %s failed unexpectedly", index, group_id)
-                result, retryable = _failed(index, "internal_error", f"{type(exc).__name__}: {exc}"), False
+                result, retryable = failed(index, "internal_error", f"{type(exc).__name__}: {exc}"), False
             result.tries, result.earlier_failures = len(earlier) + 1, earlier
             self._went_stale(request, result)
             self.metrics.attempt_done(result)
@@ -258,8 +206,7 @@ class GroupRunner:
         why = self._stale_reason(request, attempt)
         if why is None:
             return False
-        attempt.reward = attempt.pass_ = attempt.score = attempt.answer = None
-        _fail(attempt, "stale", why)
+        fail_stale(attempt, why)
         return True
 
     async def _run_episode(
@@ -282,7 +229,7 @@ class GroupRunner:
                 task=(target.task_id, request.allow_eval_side),
             )
         except NoEnvLeft as exc:
-            return _failed(index, "env_no_world", f"task {target.task_id}: {exc}"), False
+            return failed(index, "env_no_world", f"task {target.task_id}: {exc}"), False
         clock.queued = time.monotonic() - clock.started
         env = target.env(slot.url)
         held_from = time.monotonic()
@@ -305,7 +252,7 @@ class GroupRunner:
                 while not answer.done:
                     self._check_staleness(request, attempt)
                     if len(attempt.turns) >= request.max_turns:
-                        _fail(
+                        fail(
                             attempt,
                             "max_turns",
                             f"the episode asked for more than max_turns={request.max_turns} completions",
@@ -321,41 +268,40 @@ class GroupRunner:
                     )
                 else:
                     over = True
-                    _score(attempt, answer)
+                    score(attempt, answer)
                     retryable = attempt.status == "env_failure"
         except _Stale as exc:
-            attempt.reward = attempt.pass_ = attempt.score = attempt.answer = None
-            _fail(attempt, "stale", str(exc))
+            fail_stale(attempt, str(exc))
         except TimeoutError:
             if clock.waiting_for_policy:
-                _fail(
+                fail(
                     attempt,
                     "policy_paused",
                     f"timeout_s={request.timeout_s:g} ran out while the policy replicas were paused for an update",
                 )
             elif attempt.episode_id is None:  # the env never gave a world: not the policy's doing
-                _fail(attempt, "env_no_world", f"the env started no episode within timeout_s={request.timeout_s:g}")
+                fail(attempt, "env_no_world", f"the env started no episode within timeout_s={request.timeout_s:g}")
                 retryable = True
             else:
-                _fail(attempt, "deadline", f"the try did not finish within timeout_s={request.timeout_s:g}")
+                fail(attempt, "deadline", f"the try did not finish within timeout_s={request.timeout_s:g}")
         except EnvError as exc:
             if isinstance(exc, BadEnvAnswer) and attempt.episode_id is None and exc.episode_id:
                 attempt.episode_id = exc.episode_id  # a malformed reset answer that still names its episode
             over = exc.episode_over
             if isinstance(exc, EnvUnreachable):
                 slot.down = True  # retries go elsewhere until the monitor's next probe finds it answering
-            _fail(attempt, cast(FailureKind, exc.kind), f"{exc.status or 'no answer'} {exc.error}: {exc.message}")
+            fail(attempt, cast(FailureKind, exc.kind), f"{exc.status or 'no answer'} {exc.error}: {exc.message}")
             retryable = exc.retryable
         except ContextOverflow as exc:
-            _fail(attempt, "context_overflow", exc.detail)
+            fail(attempt, "context_overflow", exc.detail)
         except InferenceError as exc:
-            _fail(attempt, cast(FailureKind, exc.kind), exc.detail)
+            fail(attempt, cast(FailureKind, exc.kind), exc.detail)
         except asyncio.CancelledError:
-            _fail(attempt, "cancelled", "the group was cancelled (trainer gone or shutdown)")
+            fail(attempt, "cancelled", "the group was cancelled (trainer gone or shutdown)")
             raise
         except Exception as exc:  # a malformed answer or a bug: this attempt's failure, never the group's
             log.exception("episode of attempt %d of group %s failed unexpectedly", index, group_id)
-            _fail(attempt, "internal_error", f"{type(exc).__name__}: {exc}")
+            fail(attempt, "internal_error", f"{type(exc).__name__}: {exc}")
         finally:
             attempt.timings = AttemptTimings(
                 queued_s=round(clock.queued, 4),
@@ -469,7 +415,7 @@ class GroupRunner:
         the slot stays held; a stopped or restarting env is retried with backoff, up to the contract's
         idle reclaim (by then the env has ended the episode itself)."""
         deadline = time.monotonic() + ABANDON_PATIENCE_S
-        delay = 0.5
+        pause = Backoff(0.5, 10.0)
         while True:
             try:
                 await env.client.abandon(episode_id)
@@ -478,12 +424,13 @@ class GroupRunner:
                 first_delete.set()
                 if exc.episode_over:  # the env process is gone, and its worlds with it
                     return
-                if self._draining or time.monotonic() + delay > deadline:
+                if self._draining or time.monotonic() + pause.current > deadline:
                     log.warning("gave up abandoning episode %s on %s: %s", episode_id, env.url, exc)
                     return
-                log.warning("abandoning episode %s on %s failed (%s); again in %.1fs", episode_id, env.url, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+                log.warning(
+                    "abandoning episode %s on %s failed (%s); again in %.1fs", episode_id, env.url, exc, pause.current
+                )
+            await pause.sleep()
 
     def _release(self, env: EnvHandle, slot: EnvSlots, held_from: float) -> None:
         self.scheduler.release(slot, time.monotonic() - held_from)
@@ -601,139 +548,3 @@ class GroupRunner:
             assert trajectory is not None
             trajectory.record(turn, stopped_on_string=isinstance(choice.stop_reason, str))
         return turn
-
-
-def _status_of(failure: Failure) -> AttemptStatus:
-    if failure.attribution == "policy":
-        return "policy_failure"
-    if failure.kind == "cancelled":
-        return "cancelled"
-    if failure.kind == "internal_error":
-        return "internal_error"
-    if failure.kind == "stale":
-        return "stale"
-    if failure.kind in ("transport_error", "environment_failure") or failure.kind.startswith("env_"):
-        return "env_failure"
-    return "inference_failure"
-
-
-def _fail(attempt: Attempt, kind: FailureKind, detail: str) -> None:
-    attempt.failure = Failure.of(kind, detail)
-    attempt.status = _status_of(attempt.failure)
-
-
-def _failed(index: int, kind: FailureKind, detail: str) -> Attempt:
-    attempt = Attempt(index=index, status="internal_error")
-    _fail(attempt, kind, detail)
-    return attempt
-
-
-def _score(attempt: Attempt, answer: StepAnswer) -> None:
-    """Classify a finished episode: scored, or unscorable with the env's reason."""
-    attempt.score, attempt.answer = answer.score, answer.answer
-    category = answer.failure_category
-    if category in UNSCORABLE_CATEGORIES or answer.status == "abandoned":
-        detail = (answer.score or {}).get("failure_detail") or f"the episode ended with failure_category={category}"
-        _fail(
-            attempt, cast(FailureKind, category) if category in UNSCORABLE_CATEGORIES else "env_abandoned", str(detail)
-        )
-        return
-    # Graded, perhaps with a policy-side failure category (a wrong answer): a real grade.
-    attempt.status, attempt.failure = "scored", None
-    attempt.reward = float(answer.reward or 0.0)
-    attempt.pass_ = bool(answer.pass_)
-
-
-def _version_span(turns: list[Turn], versions: PolicyManager | None) -> tuple[str | None, str | None]:
-    """The oldest and the newest policy version in these turns (a mixed turn counts with both)."""
-    labels = [t.policy_version for t in turns if t.policy_version is not None]
-    labels += [t.policy_version_end for t in turns if t.policy_version_end is not None]
-    if not labels or versions is None:
-        return None, None
-    return max(labels, key=versions.behind), min(labels, key=versions.behind)
-
-
-def assemble(
-    request: GroupRequest,
-    target: TaskTarget,
-    policy: ModelRoute,
-    group_id: str,
-    attempts: list[Attempt],
-    wall_s: float,
-    run_id: str | None,
-    versions: PolicyManager | None = None,
-) -> GroupResult:
-    """The group's result: policy failures earn `policy_failure_reward` (flagged by their status),
-    unscorable attempts carry no reward; advantages are over the attempts that carry one."""
-    for a in attempts:
-        if a.status == "policy_failure":
-            a.reward, a.pass_ = request.policy_failure_reward, False
-        a.oldest_policy_version, a.newest_policy_version = _version_span(a.turns, versions)
-    rewards = [a.reward if a.status in GRADED_STATUSES else None for a in attempts]
-    advantages = group_advantages(rewards, request.advantage)
-    for attempt, advantage in zip(attempts, advantages, strict=True):
-        attempt.advantage = advantage
-    mean, std, all_equal = summarize(rewards)
-    rewarded = sum(r is not None for r in rewards)
-    by_status: dict[str, int] = {}
-    for a in attempts:
-        by_status[a.status] = by_status.get(a.status, 0) + 1
-    scored = by_status.get("scored", 0)
-    policy_failed = by_status.get("policy_failure", 0)
-    graded = [a for a in attempts if a.status in GRADED_STATUSES]
-    s = request.sampling
-    diagnosis = None
-    if all_equal:
-        if rewarded == 0:
-            why = "no attempt carries a reward (none was scored)"
-        elif rewarded == 1:
-            why = "only one attempt carries a reward, so there is nothing to compare it with"
-        else:
-            why = f"all {rewarded} rewards equal {mean}"
-        diagnosis = (
-            f"{why}: this group carries no gradient. Sampling sent: temperature={s.temperature}, "
-            f"top_p={s.top_p}, max_tokens={s.max_tokens}, seed={s.seed}. Check the temperature first; "
-            "then whether the task is far too hard or too easy for this policy."
-        )
-    oldest, newest = _version_span([t for a in attempts for t in a.turns], versions)
-    # The first env the request could use reports the contract (its side included).
-    candidates = target.candidates(request.allow_eval_side)
-    contract = next((e.contract for e in target.envs if e.url in candidates), target.contract)
-    if request.reward_profile:
-        contract = contract.model_copy(update={"reward_profile": request.reward_profile})
-    contract = contract.model_copy(
-        update={"urls": sorted({a.env for a in attempts if a.env}) or [e.url for e in target.envs]}
-    )
-    return GroupResult(
-        group_id=group_id,
-        task_id=target.task_id,
-        slug=target.slug,
-        oldest_policy_version=oldest,
-        newest_policy_version=newest,
-        model=policy.model,
-        sampling=s.model_dump(exclude_none=True),
-        n=request.n,
-        advantage_kind=request.advantage,
-        policy_failure_reward=request.policy_failure_reward,
-        env=contract,
-        counts=Counts(
-            scheduled=len(attempts),
-            scored=scored,
-            failed=len(attempts) - scored,
-            policy_failed=policy_failed,
-            unscorable=len(attempts) - scored - policy_failed,
-            rewarded=rewarded,
-            by_status=by_status,
-        ),
-        rewards=rewards,
-        advantages=advantages,
-        mean=mean,
-        std=std,
-        pass_rate=round(sum(bool(a.pass_) for a in graded) / len(graded), 6) if graded else None,
-        all_equal=all_equal,
-        diagnosis=diagnosis,
-        attempts=attempts,
-        wall_s=round(wall_s, 4),
-        completion_tokens=sum(t.completion_tokens for a in attempts for t in a.turns),
-        run_id=run_id,
-    )

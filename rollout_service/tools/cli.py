@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import logging
 import os
 import signal
 import sys
@@ -34,7 +33,7 @@ def _add_serve(sub) -> None:
 # The service's heap is large and long-lived (each attempt in flight holds its turns' token ids), and
 # CPython's default collection (a young pass every 700 allocations, older passes scanning that heap)
 # took 3.4-3.9 ms of CPU per turn where these thresholds take 2.0-2.2 at 1,024 episodes in flight
-# (bench/ceiling.py, 2026-12-01, README). Full passes still run, every ~200M allocations.
+# (bench/ceiling.py). Full passes still run, every ~200M allocations.
 GC_THRESHOLDS = (100_000, 20, 100)
 
 
@@ -42,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..server.app import create_app
+    from ..server.logs import configure_logging
 
     try:
         config = settings_from(args, ServiceConfig, ENV_PREFIX)
@@ -49,11 +49,18 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"rollout-service serve: {exc}", file=sys.stderr)
         return 2
-    # Start-up progress and the service's own warnings, on stderr with a time.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s [rollout-service] %(message)s", datefmt="%H:%M:%S")
+    configure_logging(config.log_level, config.log_format)
     host, port = parse_listen(config.listen)
     server = _Server(
-        uvicorn.Config(app, host=host, port=port, log_level=config.log_level, timeout_graceful_shutdown=20)
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=config.log_level,
+            log_config=None,  # uvicorn's loggers go through the root handler: one format for all
+            access_log=config.log_level == "debug",  # a line per request costs CPU at the ceiling
+            timeout_graceful_shutdown=20,
+        )
     )
     # The service listens at once and waits for its envs and model servers (saying which, up to
     # --startup-timeout); if it gives up, or finds a misconfiguration, the server stops here.
@@ -61,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
     gc.freeze()  # the imports, the app and its config live as long as the process: never scan them again
     gc.set_threshold(*GC_THRESHOLDS)
     server.run()
-    failure = app.state.service.startup_failure
+    failure = app.state.service.lifecycle.startup_failure
     if failure is not None:
         print(f"rollout-service serve: cannot start: {failure}", file=sys.stderr)
         return 1
@@ -262,7 +269,7 @@ def _add_measure(sub) -> None:
 def _measure(args: argparse.Namespace) -> int:
     import json
 
-    from ..server.errors import StartupError
+    from ..server.errors import RequestRefused, StartupError
     from .measure import format_measurement, run_measure
 
     if args.repeats < 1:
@@ -280,6 +287,7 @@ def _measure(args: argparse.Namespace) -> int:
             ServiceConfig,
             ENV_PREFIX,
             max_n=max(64, args.repeats),
+            max_queued_attempts=max(65536, args.repeats),
         )
     except ValueError as exc:
         print(f"rollout-service measure: {exc}", file=sys.stderr)
@@ -300,6 +308,9 @@ def _measure(args: argparse.Namespace) -> int:
         )
     except (StartupError, ValueError) as exc:
         print(f"rollout-service measure: {exc}", file=sys.stderr)
+        return 1
+    except RequestRefused as exc:  # a group the service's admission refuses (a task gone meanwhile)
+        print(f"rollout-service measure: {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("rollout-service measure: interrupted", file=sys.stderr)

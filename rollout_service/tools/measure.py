@@ -7,7 +7,7 @@ import json
 import math
 from collections import defaultdict
 
-from ..protocol import GroupRequest, GroupResult
+from ..protocol import GRADED_STATUSES, GroupRequest, GroupResult
 from ..server.config import ServiceConfig
 from ..server.service import RolloutService
 
@@ -52,7 +52,7 @@ async def run_measure(
     service = RolloutService(config)
     try:
         await service.start(say=progress)
-        targets = list(service.targets.values())[: limit or None]
+        targets = list(service.envs.targets.values())[: limit or None]
         if not targets:
             raise ValueError("the env serves no task")
         progress(f"measuring {len(targets)} task(s) x {repeats} repeat(s) on {', '.join(config.env)}")
@@ -69,9 +69,9 @@ async def run_measure(
                 sampling={"temperature": temperature, "max_tokens": max_tokens},
                 max_turns=max_turns,
             )
-            resolved, policy = service.resolve(request)
-            assert service.runner is not None
-            result = await service.runner.run_group(request, resolved, policy, run_id=service.run_id)
+            # Admitted as any trainer's group is: the same checks, caps and run log.
+            (task,) = service.admission.start_groups([request])
+            result = GroupResult.model_validate_json(await task)
             done += 1
             if done % max(1, len(targets) // 10) == 0 or done == len(targets):
                 progress(f"  {done}/{len(targets)} tasks done")
@@ -87,16 +87,16 @@ def summarize_measurement(groups: list[GroupResult], service: RolloutService, re
     """Pass rate over the attempts the policy is accountable for: the env's grades and the policy's own
     failures (looping past max_turns, overflowing the context, the deadline), which count as not
     passed. Infrastructure failures are excluded and counted apart."""
-    graded = [a for g in groups for a in g.attempts if a.status in ("scored", "policy_failure")]
+    graded = [a for g in groups for a in g.attempts if a.status in GRADED_STATUSES]
     policy_failed = sum(a.status == "policy_failure" for a in graded)
     passes = sum(bool(a.pass_) for a in graded if a.status == "scored")
     lo, hi = wilson_interval(passes, len(graded))
     categories: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    category_of = {t.task_id: t.category or "uncategorized" for t in service.task_info.values()}
+    category_of = {t.task_id: t.category or "uncategorized" for t in service.envs.task_info.values()}
     for g in groups:
         key = category_of.get(g.task_id, "all")
         for a in g.attempts:
-            if a.status in ("scored", "policy_failure"):
+            if a.status in GRADED_STATUSES:
                 categories[key][0] += a.status == "scored" and bool(a.pass_)
                 categories[key][1] += 1
     contract = groups[0].env if groups else None

@@ -11,7 +11,6 @@ parsed in one place; only the transport differs. Errors are a hierarchy under `R
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -38,6 +37,7 @@ from ..protocol import (
     ReplicaState,
     describe_errors,
 )
+from ..retry import Backoff
 
 __all__ = [
     "RolloutClient",
@@ -268,7 +268,7 @@ class RolloutClient(_BaseClient):
         """Wait until the service serves (it may still be starting, or not listening yet, when a
         trainer starts beside it); its /health. Raises ServiceUnavailable after `timeout_s`, or at once
         when the service says its start failed (one run by the CLI exits instead: that is waited out)."""
-        started = time.monotonic()
+        started, pause = time.monotonic(), Backoff(poll_s, poll_s)
         while True:
             answer: dict | Exception
             try:
@@ -278,7 +278,7 @@ class RolloutClient(_BaseClient):
             if self._ready_or_wait(answer, started, timeout_s):
                 assert isinstance(answer, dict)
                 return answer
-            time.sleep(poll_s)
+            time.sleep(pause.take())
 
     def health_detail(self) -> dict:
         """Each env and model server as last probed, the run log, the queues."""
@@ -393,7 +393,7 @@ class AsyncRolloutClient(_BaseClient):
         return self._health(await self._http.get("/health"))
 
     async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 1.0) -> dict:
-        started = time.monotonic()
+        started, pause = time.monotonic(), Backoff(poll_s, poll_s)
         while True:
             answer: dict | Exception
             try:
@@ -403,7 +403,7 @@ class AsyncRolloutClient(_BaseClient):
             if self._ready_or_wait(answer, started, timeout_s):
                 assert isinstance(answer, dict)
                 return answer
-            await asyncio.sleep(poll_s)
+            await pause.sleep()
 
     async def health_detail(self) -> dict:
         return await self._get("/health/detail")
