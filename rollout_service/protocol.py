@@ -6,6 +6,7 @@ parser, which the trainer's client has anyway).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, get_args
 
@@ -13,10 +14,19 @@ import httpx
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+# The last segments of what the service itself asks a backend (an env's /health, /tasks, /step,
+# /step/reset; a model server's /v1/models, /v1/completions, /v1/chat/completions, /tokenize): a URL
+# ending in one names an endpoint, not a server.
+_SERVICE_ENDPOINTS = frozenset({"health", "tasks", "step", "reset", "models", "completions", "chat", "tokenize"})
+_SEGMENT = re.compile(r"[A-Za-z0-9._~-]+")
+
 
 def http_url(url: str) -> str:
-    """`url`, normalised, if it is http(s)://HOST...: anything else would be waited on at start, never
-    answering."""
+    """`url`, normalised, if it is the address of a server: http(s)://HOST[:PORT] with an optional base
+    path the service extends itself (an env's /health, a model server's /v1/models). A query, a
+    fragment, credentials, an encoded or dot segment or a path ending in an endpoint the service asks
+    would make the service ask something else than the server's contract (a URL ending in `#` or
+    `?x=` swallows the /health appended to it): each is refused, naming what to change."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
         raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
@@ -24,6 +34,11 @@ def http_url(url: str) -> str:
         # Before any message quotes the URL. A URL is shown in /envs, /health/detail, logs and metrics
         # labels; a model server's key goes in api-key-env.
         raise ValueError("a URL with credentials (user:password@) would show them wherever it is shown: leave them out")
+    if "?" in url or "#" in url:
+        raise ValueError(
+            f"{url!r}: a backend is an address, http(s)://HOST:PORT[/BASE]; leave out the query or fragment "
+            "(the service appends the contract's paths itself)"
+        )
     try:
         parsed = httpx.URL(url)
         port = parsed.port
@@ -31,7 +46,23 @@ def http_url(url: str) -> str:
         raise ValueError(f"{url!r} is not a valid URL: {exc}") from None
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"{url!r} is not a valid URL: port {port} is out of range")
+    _check_base_path(url, rest.partition("/")[2])
     return str(parsed)  # one spelling per server (scheme and host in lower case)
+
+
+def _check_base_path(url: str, path: str) -> None:
+    segments = path.rstrip("/").split("/") if path.rstrip("/") else []
+    for segment in segments:
+        if not _SEGMENT.fullmatch(segment) or segment in (".", ".."):
+            raise ValueError(
+                f"{url!r}: the base path may hold letters, digits and . _ ~ - only, in segments other "
+                f"than . and .. ({segment!r} is not one)"
+            )
+    if segments and segments[-1].lower() in _SERVICE_ENDPOINTS:
+        raise ValueError(
+            f"{url!r} ends in /{segments[-1]}, an endpoint the service asks itself: give the server's "
+            "address (http(s)://HOST:PORT, or its base path)"
+        )
 
 
 def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:

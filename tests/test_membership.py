@@ -265,7 +265,9 @@ def _service_with(tasks: list[tuple[str, str]]):
     from rollout_service.server.scheduler import WorldScheduler
     from rollout_service.server.service import RolloutService
 
-    svc = RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://m:1"], model="m"))
+    # b and c are added later: names allowed, as an operator allows a host by its name.
+    config = ServiceConfig(env=["http://a:1"], vllm=["http://m:1"], model="m", allow_backends=["b", "c"])
+    svc = RolloutService(config)
     health = EnvHealth(
         status="ready", workers=2, dataset={"catalog_hash": "h"}, reward_version="r", reward_profile="rl"
     )

@@ -132,6 +132,10 @@ class ServiceProcess(ServerProcess):
             cmd += ["--vllm", url]
         for url in urls["env"]:
             cmd += ["--env", url]
+        # Pieces `ray scale` adds later run on the cluster's nodes: the service may reach those.
+        for node in ray.nodes():
+            if node.get("Alive") and node.get("NodeManagerAddress"):
+                cmd += ["--allow-backends", node["NodeManagerAddress"]]
         super().__init__(cmd=cmd + args, **common)
 
 

@@ -98,7 +98,19 @@ class ServiceSpec(PieceSpec):
     args: list[str] = Field(default_factory=list, description="extra flags for `rollout-service serve`")
     command: None = Field(None, description="the service is always `rollout-service serve` (use args)")
     api_key_env: str | None = Field(
-        None, description="the variable holding the service's API key (--api-key-env), read by ray scale too"
+        None,
+        description="the variable holding the service's API key (--api-key-env); with neither this nor "
+        "admin_key_env, `ray up` generates both keys into keys_file",
+    )
+    admin_key_env: str | None = Field(
+        None,
+        description="the variable holding the service's admin key (--admin-key-env), sent by ray up, scale "
+        "and sync; default: api_key_env's",
+    )
+    keys_file: str = Field(
+        "~/.config/rollout-service/{namespace}.keys",
+        description="where `ray up` writes the keys it generates (mode 0600; {namespace} is filled in), "
+        "for the trainer (RolloutClient(url, key_file=...)) and later ray commands",
     )
 
 

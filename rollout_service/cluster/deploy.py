@@ -13,10 +13,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from ..keys import ADMIN_KEY_VAR, API_KEY_VAR, ensure_key_file, read_key_file
 from .actors import ServerProcess, ServiceProcess, actor_name, piece_of
 from .config import ClusterConfig, ConfigError, Kind, with_count
 
@@ -54,6 +56,8 @@ def up(config: ClusterConfig, say: Say = print) -> dict[str, Any]:
             say(f"{actor_name(kind, i)}: {info['url']} on node {info['host']} ({info['node_id'][:12]})")
     info = _ready(_start(config, "service", 0), "service", config.service.startup_timeout_s)
     say(f"service-0: {info['url']} on node {info['host']} ({info['node_id'][:12]})")
+    if not (config.service.api_key_env or config.service.admin_key_env):
+        say(f"service keys: {keys_file(config)} (RolloutClient(url, key_file=...) reads it)")
     sync(config, say)  # a service that was running already learns of the pieces started now
     return status(config)
 
@@ -167,18 +171,17 @@ def _start(config: ClusterConfig, kind: Kind, index: int) -> Any:
         "num_gpus": spec.num_gpus,
         "resources": dict(spec.resources),
     }
+    env = dict(spec.env)
     common = {
         "name": actor_name(kind, index),
         "port": spec.port + index,
         "ready_path": spec.ready_path,
         "startup_timeout_s": spec.startup_timeout_s,
         "logs_dir": config.logs_dir,
-        "env": dict(spec.env),
+        "env": env,
     }
     if kind == "service":
-        args = list(config.service.args)
-        if config.service.api_key_env:
-            args += ["--api-key-env", config.service.api_key_env]
+        args = list(config.service.args) + _key_flags(config, env)
         actor = ray.remote(ServiceProcess).options(**options)
         return actor.remote(model=config.model, args=args, **common)
     builtin = None
@@ -257,13 +260,44 @@ def _service_url() -> str:
         raise ClusterError(f"the service is not running ({type(exc).__name__}): run `ray up` first") from None
 
 
-def _service_client(config: ClusterConfig, url: str) -> httpx.Client:
-    headers = {}
-    if config.service.api_key_env:
-        key = os.environ.get(config.service.api_key_env)
+def keys_file(config: ClusterConfig) -> Path:
+    return Path(config.service.keys_file.replace("{namespace}", config.namespace)).expanduser()
+
+
+def _key_flags(config: ClusterConfig, env: dict[str, str]) -> list[str]:
+    """The service's key flags. The service listens on its node's address: with no key named in the
+    config, both are generated once into keys_file (kept across `up`s) and handed to the service in
+    its environment."""
+    spec = config.service
+    if spec.api_key_env or spec.admin_key_env:
+        flags = ["--api-key-env", spec.api_key_env] if spec.api_key_env else []
+        return flags + (["--admin-key-env", spec.admin_key_env] if spec.admin_key_env else [])
+    try:
+        keys = read_key_file(ensure_key_file(keys_file(config)))
+    except (OSError, ValueError) as exc:
+        raise ClusterError(f"service.keys_file {keys_file(config)}: {exc}") from None
+    env.update({API_KEY_VAR: keys[API_KEY_VAR], ADMIN_KEY_VAR: keys[ADMIN_KEY_VAR]})
+    return ["--api-key-env", API_KEY_VAR, "--admin-key-env", ADMIN_KEY_VAR]
+
+
+def _admin_key(config: ClusterConfig) -> str | None:
+    """The key ray commands send the service: its admin key, by the config's variable or keys_file."""
+    spec = config.service
+    var = spec.admin_key_env or spec.api_key_env
+    if var:
+        key = os.environ.get(var)
         if not key:
-            raise ClusterError(f"${config.service.api_key_env} (service.api_key_env) is not set here")
-        headers["Authorization"] = f"Bearer {key}"
+            raise ClusterError(f"${var} (service.{'admin' if spec.admin_key_env else 'api'}_key_env) is not set here")
+        return key
+    try:
+        return read_key_file(keys_file(config)).get(ADMIN_KEY_VAR)
+    except OSError:
+        raise ClusterError(f"no keys at {keys_file(config)} (service.keys_file): run `ray up` here first") from None
+
+
+def _service_client(config: ClusterConfig, url: str) -> httpx.Client:
+    key = _admin_key(config)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.Client(base_url=url, headers=headers, timeout=None)
 
 

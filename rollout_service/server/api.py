@@ -277,7 +277,11 @@ async def health(request: Request) -> Response:
     summary="Each env and model server as last probed, the run log, the queues (behind the API key when one is set)",
 )
 async def health_detail(request: Request) -> HealthDetail:
-    return _service(request).health.detail()
+    detail = _service(request).health.detail()
+    warnings = getattr(request.app.state, "warnings", [])
+    if warnings:
+        detail.warnings = list(warnings)
+    return detail
 
 
 @router.get("/tasks", summary="Tasks served by the envs")

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -17,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import installed_version
 from ..protocol import describe_errors
 from .api import router
+from .auth import PlaneAuth, service_keys
 from .config import ServiceConfig
 from .errors import (
     BackendFailed,
@@ -29,7 +29,7 @@ from .errors import (
     TooBusy,
     Unavailable,
 )
-from .middleware import BearerAuth, BodyLimit, error_response
+from .middleware import BodyLimit, error_response
 from .service import RolloutService
 
 log = logging.getLogger("rollout_service.app")
@@ -117,6 +117,7 @@ def _started(app: FastAPI, start: asyncio.Future) -> None:
 
 
 def create_app(config: ServiceConfig, service: RolloutService | None = None) -> FastAPI:
+    keys = service_keys(config)  # first: a service that must not start builds nothing
     service = service or RolloutService(config)
 
     @contextlib.asynccontextmanager
@@ -149,9 +150,8 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     app.add_exception_handler(RequestRefused, _refused)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _bug)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    if config.api_key_env:
-        key = os.environ.get(config.api_key_env)
-        if not key:
-            raise ValueError(f"--api-key-env {config.api_key_env}: that environment variable is empty or unset")
-        app.add_middleware(BearerAuth, key=key)  # outermost: nothing is parsed before the key is checked
+    # Said in /health/detail for as long as it runs: an operator looking there sees it.
+    app.state.warnings = [keys.warning] if keys.warning else []
+    if keys.data is not None or keys.admin is not None:
+        app.add_middleware(PlaneAuth, keys=keys)  # outermost: nothing is parsed before the key is checked
     return app

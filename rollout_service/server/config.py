@@ -74,7 +74,28 @@ class ServiceConfig(BaseModel):
     support_model: str | None = Field(None, description="model for non-policy stages; none: the policy answers them")
     listen: ListenAddress = Field("127.0.0.1:8080", description="where to listen; loopback unless you say otherwise")
     api_key_env: Annotated[str | None, Flag(metavar="VAR")] = Field(
-        None, description="require `Authorization: Bearer $VAR` on every path but /health"
+        None,
+        description="the data plane's key (trainers): require `Authorization: Bearer $VAR` on /groups, /tasks, "
+        "GET /policy and every other path but /health and the admin plane's; with no --admin-key-env it "
+        "guards the admin plane too",
+    )
+    admin_key_env: Annotated[str | None, Flag(metavar="VAR")] = Field(
+        None,
+        description="the admin plane's key (operators): require `Authorization: Bearer $VAR` on /envs*, "
+        "/replicas*, POST /policy and /policy/pause; it may name the same variable as --api-key-env",
+    )
+    insecure_no_auth: bool = Field(
+        False,
+        description="start listening off loopback with a plane that has no key (warned at start and in "
+        "/health/detail); without it the service refuses to",
+    )
+    allow_backends: Annotated[
+        list[str], Flag(metavar="HOST|CIDR", default_text="loopback and the hosts of the backends given at start")
+    ] = Field(
+        default_factory=list,
+        description="what POST /envs and POST /replicas may reach: host names, addresses and CIDRs; an added "
+        "backend's host is resolved and every address it resolves to must be allowed (the hosts of the "
+        "backends given at start always are)",
     )
     max_requests_per_second: Annotated[float | None, Flag(metavar="R")] = Field(
         None, gt=0, description="cap on chat requests per second to each model route"
@@ -153,6 +174,15 @@ class ServiceConfig(BaseModel):
     def _check_run_id(cls, value: str | None) -> str | None:
         if value is not None and not valid_run_id(value):
             raise ValueError(f"{value!r}: use letters, digits, '.', '_' and '-' only (it becomes a file name)")
+        return value
+
+    @field_validator("allow_backends")
+    @classmethod
+    def _check_allowed(cls, value: list[str]) -> list[str]:
+        from .backend_address import parse_allowed  # the one reading of an entry
+
+        for entry in value:
+            parse_allowed(entry)
         return value
 
     @field_validator("env", "vllm", "support_vllm")

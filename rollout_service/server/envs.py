@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import httpx
 
 from ..protocol import EnvAdd, EnvContract, EnvRef, EnvRemove, EnvRemoved, EnvState
-from .env_client import EnvClient, EnvError, EnvHealth, EnvTask, EnvUnreachable
+from .backend_address import AllowedBackends
+from .env_client import BadEnvAnswer, EnvClient, EnvError, EnvHealth, EnvTask, EnvUnreachable
 from .errors import BackendTimedOut, Conflict, IncomparableEnv, Invalid, NotFound, StartupError, shutting_down
 from .metrics import Metrics
 from .scheduler import EnvSlots
@@ -37,9 +38,10 @@ class Discovered:
 
 
 class EnvRegistry:
-    def __init__(self, lifecycle: Lifecycle, metrics: Metrics) -> None:
+    def __init__(self, lifecycle: Lifecycle, metrics: Metrics, allowed: AllowedBackends) -> None:
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.allowed = allowed  # what POST /envs may reach
         self.envs: dict[str, EnvHandle] = {}
         self.targets: dict[str, TaskTarget] = {}
         self.by_slug: dict[str, str] = {}
@@ -123,6 +125,7 @@ class EnvRegistry:
         scheduler = self.lifecycle.scheduler
         assert scheduler is not None
         url = body.url
+        await self.allowed.check(url, "env")  # before anything is asked of it
         if url in self.envs or url in self.adding:
             draining = url in self.envs and self.envs[url].slots.draining
             state = "is draining: remove it first" if draining else "is scheduled already (or being added)"
@@ -282,7 +285,13 @@ async def ask_env(url: str, client: EnvClient) -> Discovered:
             raise NotYet(f"unreachable ({exc.message or exc})") from None
         if (exc.status or 0) >= 500:
             raise NotYet(str(exc)) from None
-        raise StartupError(f"env {url} does not speak the step contract: {exc}") from None
+        # By its status and the contract's kind only: echoing what it said would let whoever adds an
+        # env read any page the service can reach. (A BadEnvAnswer's message is the service's own words
+        # on the answer's shape.)
+        said = f": {exc.message}" if isinstance(exc, BadEnvAnswer) else ""
+        raise StartupError(
+            f"env {url} does not speak the step contract: it answered {exc.status} ({exc.kind}){said}"
+        ) from None
     return Discovered(url, health, tasks)
 
 

@@ -72,6 +72,7 @@ class HealthDetail(BaseModel):
     envs: list[EnvDetail] | None = None
     models: list[ModelDetail] | None = None
     policy: dict[str, Any] | None = None
+    warnings: list[str] | None = None  # how the service runs unsafely (--insecure-no-auth), for as long as it does
 
 
 class Health:

@@ -1,9 +1,6 @@
-"""Small ASGI middlewares: the body cap and bearer auth, each checked before anything is parsed."""
+"""Small ASGI middlewares: the body cap, checked before anything is parsed (bearer keys: auth.py)."""
 
 from __future__ import annotations
-
-import hmac
-from collections.abc import Container
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,22 +58,3 @@ class BodyLimit:
             413, "body_too_large", f"request bodies are capped at {self.max_bytes} bytes (--max-body-bytes)"
         )
         await response(scope, receive, send)
-
-
-class BearerAuth:
-    """Every path but the public ones needs `Authorization: Bearer <key>` (constant-time compare)."""
-
-    def __init__(self, app: ASGIApp, key: str, public: Container[str] = ("/health",)) -> None:
-        self.app, self.key, self.public = app, key.encode(), public
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public:
-            header = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                response = error_response(
-                    401, "unauthorized", "send Authorization: Bearer <key>", headers={"WWW-Authenticate": "Bearer"}
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

@@ -12,6 +12,7 @@ from inference.client import ChatClient, Endpoint, InferenceError
 from inference.weights import WeightsClient
 
 from ..protocol import ReplicaAdd, ReplicaRef, ReplicaRemove, ReplicaState
+from .backend_address import AllowedBackends
 from .config import ServiceConfig
 from .errors import BackendTimedOut, Conflict, Invalid, NotFound, StartupError, shutting_down
 from .metrics import Metrics
@@ -30,8 +31,9 @@ def _chat_client(urls: list[str], config: ServiceConfig, **kwargs: Any) -> ChatC
 
 
 class ReplicaRegistry:
-    def __init__(self, config: ServiceConfig, lifecycle: Lifecycle, metrics: Metrics) -> None:
+    def __init__(self, config: ServiceConfig, lifecycle: Lifecycle, metrics: Metrics, allowed: AllowedBackends) -> None:
         self.lifecycle = lifecycle
+        self.allowed = allowed  # what POST /replicas may reach
         self.policy = ModelRoute(config.model, _chat_client(config.vllm, config))
         self.versions = PolicyManager(
             self.policy.client, self.policy.request_model, WeightsClient(timeout_s=config.update_timeout), metrics
@@ -98,6 +100,7 @@ class ReplicaRegistry:
         (brought there like a restarted one: adapter loaded, full weights reloaded)."""
         self.lifecycle.refuse_unless_ready()
         route = self.route(body.role)
+        await self.allowed.check(body.url, f"{body.role} replica")  # before anything is asked of it
         endpoint = route.client.new_endpoint(body.url)
         if any(e.url == endpoint.url for e in route.client.endpoints) or endpoint.url in self.adding:
             raise Conflict("replica_present", f"{endpoint.url} is a {body.role} replica already")

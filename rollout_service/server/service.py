@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .admission import Admission
+from .backend_address import AllowedBackends
 from .config import ServiceConfig
 from .env_client import EnvClient
 from .envs import EnvRegistry
@@ -38,8 +39,13 @@ class RolloutService:
         self.metrics = Metrics()
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.lifecycle = Lifecycle(config.startup_timeout)
-        self.envs = EnvRegistry(self.lifecycle, self.metrics)
-        self.replicas = ReplicaRegistry(config, self.lifecycle, self.metrics)
+        # What membership may add: --allow-backends, and the hosts of the backends given at start.
+        allowed = AllowedBackends(
+            config.allow_backends,
+            [*config.env, *config.vllm, *config.support_vllm, *(spec.url for spec in config.model_endpoint)],
+        )
+        self.envs = EnvRegistry(self.lifecycle, self.metrics, allowed)
+        self.replicas = ReplicaRegistry(config, self.lifecycle, self.metrics, allowed)
         self.run_log = RunLog(Path(config.runs_dir), self.run_id, config.max_run_log_queue) if config.runs_dir else None
         self.admission = Admission(
             config, self.lifecycle, self.envs, self.replicas, self.metrics, self.run_id, self.run_log

@@ -132,8 +132,11 @@ async def ask_model(route: ModelRoute, endpoint: Endpoint) -> list[str]:
         raise StartupError(
             f"model server {endpoint.url} answers GET /v1/models with {status}: is it an OpenAI-compatible server?"
         ) from None
-    except ValueError as exc:  # not JSON, or not the list's shape
-        raise StartupError(f"model server {endpoint.url}: {exc}") from None
+    except ValueError:  # not JSON, or not the list's shape; what it said is not repeated (see ask_env)
+        raise StartupError(
+            f"model server {endpoint.url}: GET /v1/models is not an OpenAI model list: "
+            "is it an OpenAI-compatible server?"
+        ) from None
     if not models:  # a router in front of replicas that have not registered yet
         raise NotYet("GET /v1/models lists no model yet")
     if route.request_model not in models:

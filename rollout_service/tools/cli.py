@@ -1,4 +1,4 @@
-"""`rollout-service`: serve, demo, up, vllm, export, measure, loadtest, ray."""
+"""`rollout-service`: serve, demo, up, vllm, export, keys, measure, loadtest, ray."""
 
 from __future__ import annotations
 
@@ -239,6 +239,31 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_keys(sub) -> None:
+    p = sub.add_parser(
+        "keys",
+        help="write the service's two keys to FILE (mode 0600) unless it holds them already",
+        description="Write ROLLOUT_API_KEY= and ROLLOUT_ADMIN_KEY= lines to FILE (mode 0600, never through a "
+        "symlink): the values of those variables where both are set here, else fresh random keys. A FILE "
+        "that exists is kept as it is, unless both variables are set. compose and `ray up` do this; the "
+        "service reads the file's variables (--api-key-env ROLLOUT_API_KEY --admin-key-env "
+        "ROLLOUT_ADMIN_KEY) and the trainer the file (RolloutClient(url, key_file=FILE)).",
+    )
+    p.add_argument("file", type=Path)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from ..keys import ensure_key_file
+
+    try:
+        path = ensure_key_file(args.file, os.environ)
+    except (OSError, ValueError) as exc:
+        print(f"rollout-service keys: {exc}", file=sys.stderr)
+        return 1
+    print(f"keys: {path}")
+    return 0
+
+
 def _add_measure(sub) -> None:
     p = sub.add_parser("measure", help="pass rate of the policy on an eval-side env, with a 95%% interval")
     p.add_argument("--env", required=True, action="append", metavar="EVAL_URL", help="eval-side env server")
@@ -469,6 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(sub)
     _add_vllm(sub)
     _add_export(sub)
+    _add_keys(sub)
     _add_measure(sub)
     _add_loadtest(sub)
     _add_ray(sub)
@@ -483,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         "up": _up,
         "vllm": _vllm,
         "export": _export,
+        "keys": _keys,
         "measure": _measure,
         "loadtest": _loadtest,
         "ray": _ray,

@@ -15,11 +15,13 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from ..keys import client_keys
 from ..protocol import (
     EnvAdd,
     EnvRef,
@@ -118,9 +120,20 @@ def _checked(model: type[_Body], data: Any) -> _Body:
 
 
 class _BaseClient:
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        key_file: str | Path | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
+        api_key, admin_key = client_keys(api_key, admin_key, key_file)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Sent instead on the admin plane (membership, policy updates and pause).
+        self._admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self._timeout = timeout_s
 
     @staticmethod
@@ -226,10 +239,21 @@ class _BaseClient:
 
 
 class RolloutClient(_BaseClient):
-    """Synchronous client. `api_key` is sent as a bearer token when the service asks for one."""
+    """Synchronous client. Keys: `api_key` (the data plane's: groups, tasks) and `admin_key` (the admin
+    plane's: envs, replicas, policy updates and pause; default `api_key`), else those in `key_file`
+    (as compose and `ray up` write it), else $ROLLOUT_API_KEY and $ROLLOUT_ADMIN_KEY. Each call
+    sends its plane's key as a bearer token."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
-        super().__init__(url, api_key=api_key, timeout_s=timeout_s)
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        key_file: str | Path | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(url, api_key=api_key, admin_key=admin_key, key_file=key_file, timeout_s=timeout_s)
         self._http = httpx.Client(base_url=self.url, headers=self._headers, timeout=timeout_s)
 
     def __enter__(self) -> RolloutClient:
@@ -292,30 +316,34 @@ class RolloutClient(_BaseClient):
         """Serve `version` from now on: a LoRA adapter folder (`lora`), a full checkpoint folder
         (`weights`), or, with neither, the weights pushed into the replicas after `pause_policy()`.
         Paths are as the model servers see them."""
-        response = self._http.post("/policy", json=self._update_body(version, lora, weights), timeout=None)
+        response = self._http.post(
+            "/policy", json=self._update_body(version, lora, weights), timeout=None, headers=self._admin_headers
+        )
         self._raise_for(response)
         return PolicyUpdateResult.model_validate_json(response.content)
 
     def pause_policy(self) -> PolicyState:
         """Hold the policy replicas paused (turns in flight freeze) while you push weights yourself."""
-        response = self._http.post("/policy/pause")
+        response = self._http.post("/policy/pause", headers=self._admin_headers)
         self._raise_for(response)
         return PolicyState.model_validate_json(response.content)
 
     def envs(self) -> list[EnvState]:
         """The envs the service schedules on: pool, worlds held, draining or not."""
-        return [EnvState.model_validate(e) for e in self._get("/envs")]
+        return [EnvState.model_validate(e) for e in self._get("/envs", self._admin_headers)]
 
     def add_env(self, url: str, *, timeout_s: float = 60.0) -> EnvState:
         """Schedule on one more env server (it must match the dataset and reward version of the
         envs serving the same tasks: RequestRejected env_incomparable otherwise)."""
-        response = self._http.post("/envs", json=self._body(EnvAdd, url=url, timeout_s=timeout_s), timeout=None)
+        response = self._http.post(
+            "/envs", json=self._body(EnvAdd, url=url, timeout_s=timeout_s), timeout=None, headers=self._admin_headers
+        )
         self._raise_for(response)
         return EnvState.model_validate_json(response.content)
 
     def drain_env(self, url: str) -> EnvState:
         """Start no new episode on the env; the ones on it finish."""
-        response = self._http.post("/envs/drain", json=self._body(EnvRef, url=url))
+        response = self._http.post("/envs/drain", json=self._body(EnvRef, url=url), headers=self._admin_headers)
         self._raise_for(response)
         return EnvState.model_validate_json(response.content)
 
@@ -323,7 +351,7 @@ class RolloutClient(_BaseClient):
         """Drain the env, wait up to `timeout_s` for its episodes to finish, then stop scheduling on
         it (RequestRejected env_busy if some still run then: it stays draining)."""
         body = self._body(EnvRemove, url=url, timeout_s=timeout_s)
-        response = self._http.post("/envs/remove", json=body, timeout=None)
+        response = self._http.post("/envs/remove", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return EnvRemoved.model_validate_json(response.content)
 
@@ -332,35 +360,43 @@ class RolloutClient(_BaseClient):
         (`routed` says whether it does by `timeout_s`). RequestRejected `policy_busy` if a policy
         update still runs at `timeout_s` (a replica joins between them): add it again."""
         body = self._body(ReplicaAdd, url=url, role=role, timeout_s=timeout_s)
-        response = self._http.post("/replicas", json=body, timeout=None)
+        response = self._http.post("/replicas", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
     def drain_replica(self, url: str, *, role: str = "policy") -> ReplicaState:
         """Send no new turn to the replica; groups pinned there move at their next turn."""
         body = self._body(ReplicaRef, url=url, role=role)
-        response = self._http.post("/replicas/drain", json=body)
+        response = self._http.post("/replicas/drain", json=body, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
     def remove_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
         """Drain the replica, wait up to `timeout_s` for its requests in flight, stop routing to it."""
         body = self._body(ReplicaRemove, url=url, role=role, timeout_s=timeout_s)
-        response = self._http.post("/replicas/remove", json=body, timeout=None)
+        response = self._http.post("/replicas/remove", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
-    def _get(self, path: str) -> Any:
-        response = self._http.get(path)
+    def _get(self, path: str, headers: dict[str, str] | None = None) -> Any:
+        response = self._http.get(path, headers=headers)
         self._raise_for(response)
         return response.json()
 
 
 class AsyncRolloutClient(_BaseClient):
-    """Asynchronous client, same calls as RolloutClient."""
+    """Asynchronous client, same calls and keys as RolloutClient."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
-        super().__init__(url, api_key=api_key, timeout_s=timeout_s)
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        key_file: str | Path | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(url, api_key=api_key, admin_key=admin_key, key_file=key_file, timeout_s=timeout_s)
         self._http = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=timeout_s)
 
     async def __aenter__(self) -> AsyncRolloutClient:
@@ -414,54 +450,56 @@ class AsyncRolloutClient(_BaseClient):
     async def update_policy(
         self, version: str, *, lora: str | None = None, weights: str | None = None
     ) -> PolicyUpdateResult:
-        response = await self._http.post("/policy", json=self._update_body(version, lora, weights), timeout=None)
+        response = await self._http.post(
+            "/policy", json=self._update_body(version, lora, weights), timeout=None, headers=self._admin_headers
+        )
         self._raise_for(response)
         return PolicyUpdateResult.model_validate_json(response.content)
 
     async def pause_policy(self) -> PolicyState:
-        response = await self._http.post("/policy/pause")
+        response = await self._http.post("/policy/pause", headers=self._admin_headers)
         self._raise_for(response)
         return PolicyState.model_validate_json(response.content)
 
     async def envs(self) -> list[EnvState]:
-        return [EnvState.model_validate(e) for e in await self._get("/envs")]
+        return [EnvState.model_validate(e) for e in await self._get("/envs", self._admin_headers)]
 
     async def add_env(self, url: str, *, timeout_s: float = 60.0) -> EnvState:
         body = self._body(EnvAdd, url=url, timeout_s=timeout_s)
-        response = await self._http.post("/envs", json=body, timeout=None)
+        response = await self._http.post("/envs", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return EnvState.model_validate_json(response.content)
 
     async def drain_env(self, url: str) -> EnvState:
-        response = await self._http.post("/envs/drain", json=self._body(EnvRef, url=url))
+        response = await self._http.post("/envs/drain", json=self._body(EnvRef, url=url), headers=self._admin_headers)
         self._raise_for(response)
         return EnvState.model_validate_json(response.content)
 
     async def remove_env(self, url: str, *, timeout_s: float = 300.0) -> EnvRemoved:
         body = self._body(EnvRemove, url=url, timeout_s=timeout_s)
-        response = await self._http.post("/envs/remove", json=body, timeout=None)
+        response = await self._http.post("/envs/remove", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return EnvRemoved.model_validate_json(response.content)
 
     async def add_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
         body = self._body(ReplicaAdd, url=url, role=role, timeout_s=timeout_s)
-        response = await self._http.post("/replicas", json=body, timeout=None)
+        response = await self._http.post("/replicas", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
     async def drain_replica(self, url: str, *, role: str = "policy") -> ReplicaState:
         body = self._body(ReplicaRef, url=url, role=role)
-        response = await self._http.post("/replicas/drain", json=body)
+        response = await self._http.post("/replicas/drain", json=body, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
     async def remove_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
         body = self._body(ReplicaRemove, url=url, role=role, timeout_s=timeout_s)
-        response = await self._http.post("/replicas/remove", json=body, timeout=None)
+        response = await self._http.post("/replicas/remove", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
-    async def _get(self, path: str) -> Any:
-        response = await self._http.get(path)
+    async def _get(self, path: str, headers: dict[str, str] | None = None) -> Any:
+        response = await self._http.get(path, headers=headers)
         self._raise_for(response)
         return response.json()

@@ -69,9 +69,16 @@ class AsyncShardedClient:
     """`group()`, `groups()`, `update_policy()` and `pause_policy()` of AsyncRolloutClient over
     several services."""
 
-    def __init__(self, urls: Sequence[str], *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.map = _TaskMap(urls)
-        self.clients = [AsyncRolloutClient(u, api_key=api_key, timeout_s=timeout_s) for u in urls]
+        self.clients = [AsyncRolloutClient(u, api_key=api_key, admin_key=admin_key, timeout_s=timeout_s) for u in urls]
 
     async def __aenter__(self) -> AsyncShardedClient:
         return self
@@ -163,15 +170,22 @@ class ShardedClient:
     """The same calls, synchronous. Batches stream on an event loop of this client's own (a thread
     while `groups()` runs), so leaving a loop early closes every stream at once."""
 
-    def __init__(self, urls: Sequence[str], *, api_key: str | None = None, timeout_s: float | None = None) -> None:
-        self.urls, self._key, self._timeout_s = list(urls), api_key, timeout_s
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        self.urls, self._key, self._admin_key, self._timeout_s = list(urls), api_key, admin_key, timeout_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sharded-client", daemon=True)
         self._thread.start()
         self._async = self._run(self._make())
 
     async def _make(self) -> AsyncShardedClient:
-        return AsyncShardedClient(self.urls, api_key=self._key, timeout_s=self._timeout_s)
+        return AsyncShardedClient(self.urls, api_key=self._key, admin_key=self._admin_key, timeout_s=self._timeout_s)
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -1,0 +1,102 @@
+"""What a backend added at runtime (POST /envs, POST /replicas) may be: an address the operator allowed.
+
+`--allow-backends` lists host names, addresses and CIDRs; by default loopback. The hosts of the
+backends given at start are always allowed (the operator named them). A URL's host is resolved and
+every address it resolves to must be allowed, so no spelling gets around the list: a decimal or hex
+IP (`2130706433`, `0x7f.1`), an IPv6 form, or a DNS name that points inside the network. A host
+named in the list is allowed by its name whatever it resolves to (a compose service, a node name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+from collections.abc import Iterable
+
+import httpx
+
+from .errors import Invalid
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+LOOPBACK: tuple[Network, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?")
+_RESOLVE_TIMEOUT_S = 10.0
+
+
+def parse_allowed(entry: str) -> Network | str:
+    """One `--allow-backends` entry: a network (an address is a network of one), or a host name in
+    lower case; ValueError for anything else."""
+    text = entry.strip()
+    try:
+        return ipaddress.ip_network(text.strip("[]"), strict=False)
+    except ValueError:
+        pass
+    if text.lower() == "loopback":
+        return "loopback"
+    if not _HOST_NAME.fullmatch(text) or text.replace(".", "").isdigit():
+        raise ValueError(f"{entry!r} is not a host name, an IP address or a CIDR (e.g. 10.0.0.0/8)")
+    return text.lower().rstrip(".")
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    address = ipaddress.ip_address(text.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped  # ::ffff:10.0.0.1 is 10.0.0.1
+    return address
+
+
+class AllowedBackends:
+    """The networks and names a runtime-added backend may be at."""
+
+    def __init__(self, entries: Iterable[str], start_urls: Iterable[str]) -> None:
+        parsed = [parse_allowed(e) for e in entries] or ["loopback"]
+        self.networks: list[Network] = [p for p in parsed if not isinstance(p, str)]
+        if "loopback" in parsed:
+            self.networks += LOOPBACK
+        self.names = {p for p in parsed if isinstance(p, str) and p != "loopback"}
+        # The backends given at start: their hosts by name, and (below) by the addresses they resolve to.
+        self.start_hosts = {_host(url) for url in start_urls}
+        self.names |= self.start_hosts
+
+    def describe(self) -> str:
+        return ", ".join(sorted(str(n) for n in self.networks) + sorted(self.names)) or "nothing"
+
+    async def check(self, url: str, what: str) -> None:
+        """Invalid (422 backend_not_allowed) unless `url`'s host is allowed, by name or by
+        every address it resolves to. Nothing is sent to it here."""
+        host = _host(url)
+        if host in self.names:
+            return
+        addresses = await _resolve(host)
+        if not addresses:
+            raise Invalid(
+                "backend_not_allowed",
+                f"{what} {url}: its host does not resolve here; it is not an allowed backend",
+            )
+        networks = list(self.networks)
+        for name in self.names:  # a name allowed, or given at start, allows the addresses it has now
+            networks += [ipaddress.ip_network(a) for a in await _resolve(name)]
+        refused = sorted({str(a) for a in addresses if not any(a in n for n in networks)})
+        if refused:
+            raise Invalid(
+                "backend_not_allowed",
+                f"{what} {url} resolves to {', '.join(refused)}, outside what this service may reach "
+                f"(--allow-backends: {self.describe()}): start the service with --allow-backends naming it",
+            )
+
+
+def _host(url: str) -> str:
+    return httpx.URL(url).host.lower().rstrip(".")
+
+
+async def _resolve(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """Every address `host` resolves to, as the transport would connect (the resolver takes an IP in
+    any spelling); empty if it does not resolve in time."""
+    loop = asyncio.get_running_loop()
+    try:
+        found = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), _RESOLVE_TIMEOUT_S)
+    except (OSError, UnicodeError, TimeoutError):
+        return set()
+    return {_address(str(info[4][0])) for info in found}

@@ -1,0 +1,303 @@
+"""Safe by default: two planes with their own keys, closed off loopback; backends are addresses.
+
+A real service, real refenv servers over HTTP and the scripted model (tests/scripted_model.py). What
+a real env cannot be made to do (answer an internal page, echo a secret, redirect elsewhere) is a
+hostile stand-in in this process, which records every path it was asked: the oracle for "nothing
+was fetched".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import scripted_model
+from helpers import cli, wait_until
+
+from rollout_service.tools.stack import free_port, refenv_command
+from rollout_service.trainer.client import RequestRejected, RolloutClient
+
+SAMPLING = {"temperature": 0.8, "max_tokens": 24}
+SECRET = "internal-secret-7f3a"  # what a page inside the service's network holds
+
+
+class _Hostile(BaseHTTPRequestHandler):
+    """Every path asked is recorded. /echo/...: 404 with the secret in a JSON message (as an env's
+    error would carry it); /text/...: 200 with the secret as plain text (not a model list);
+    /redirect/...: 302 to /internal/keys; /internal/keys: the secret itself."""
+
+    asked: list[str]
+
+    def do_GET(self) -> None:
+        self.asked.append(self.path)
+        if self.path.startswith("/redirect/"):
+            self._answer(
+                302, b"", "text/plain", {"Location": f"http://127.0.0.1:{self.server.server_port}/internal/keys"}
+            )
+        elif self.path.startswith("/text/"):
+            self._answer(200, f"keys: {SECRET}".encode(), "text/plain")
+        elif self.path.startswith("/internal/keys"):
+            self._answer(200, json.dumps({"keys": SECRET}).encode(), "application/json")
+        else:
+            body = json.dumps({"error": "not_found", "message": f"no such page; the keys are {SECRET}"})
+            self._answer(404, body.encode(), "application/json")
+
+    do_POST = do_GET
+
+    def _answer(self, status: int, body: bytes, kind: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("content-type", kind)
+        self.send_header("content-length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def hostile() -> Iterator[tuple[str, list[str]]]:
+    """(its URL on 127.0.0.1, the paths it was asked)."""
+    asked: list[str] = []
+    handler = type("Hostile", (_Hostile,), {"asked": asked})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# -- two planes ----------------------------------------------------------------------------------
+
+
+def test_the_data_key_runs_groups_and_only_the_admin_key_changes_membership_or_policy(
+    start_refenv, start_service, start_scripted_model
+):
+    """Break tried: `admin_plane()` answering False for every path (one key for all, as before) -> the
+    trainer's key adds an env and pauses the policy (fails at the first 401 expected)."""
+    model = start_scripted_model("answer")
+    env, other = start_refenv("--pool", "2"), start_refenv("--pool", "2")
+    keys = {"TEST_DATA_KEY": "trainer-key", "TEST_ADMIN_KEY": "operator-key"}
+    service = start_service(
+        [env.url],
+        "--api-key-env",
+        "TEST_DATA_KEY",
+        "--admin-key-env",
+        "TEST_ADMIN_KEY",
+        env=keys,
+        vllm=model.url,
+        model="scripted",
+    )
+    data, admin = _bearer("trainer-key"), _bearer("operator-key")
+    assert httpx.get(f"{service.url}/health").status_code == 200  # public: a probe needs no key
+
+    # The trainer's key: the data plane, and nothing else.
+    assert httpx.get(f"{service.url}/tasks", headers=data).status_code == 200
+    assert httpx.get(f"{service.url}/policy", headers=data).status_code == 200
+    for method, path, body in [
+        ("POST", "/envs", {"url": other.url}),
+        ("GET", "/envs", None),
+        ("POST", "/envs/drain", {"url": env.url}),
+        ("POST", "/replicas", {"url": model.url}),
+        ("POST", "/policy", {"version": "v1"}),
+        ("POST", "/policy/pause", None),
+    ]:
+        refused = httpx.request(method, f"{service.url}{path}", json=body, headers=data)
+        assert refused.status_code == 401 and "--admin-key-env" in refused.json()["message"], (path, refused.text)
+        assert httpx.request(method, f"{service.url}{path}", json=body).status_code == 401, path
+    assert other.health()["episodes"]["started"] == 0
+    assert httpx.post(f"{service.url}/groups", json={"task_id": "t001"}).status_code == 401
+    assert httpx.post(f"{service.url}/groups", json={"task_id": "t001"}, headers=_bearer("wrong")).status_code == 401
+
+    # The client sends each plane's key: groups with the trainer's, membership with the operator's.
+    with RolloutClient(service.url, api_key="trainer-key", admin_key="operator-key", timeout_s=60) as client:
+        group = client.group(task_id="t001", n=2, sampling=SAMPLING)
+        assert group.counts.scored == 2
+        assert client.add_env(other.url).pool == 2
+        assert sorted(e.url for e in client.envs()) == sorted([env.url, other.url])
+    assert env.health()["episodes"]["started"] >= 2
+    # An operator's key reads what a trainer reads.
+    assert httpx.get(f"{service.url}/tasks", headers=admin).status_code == 200
+    # A trainer holding only its key is refused on the admin plane with a clear error.
+    with RolloutClient(service.url, api_key="trainer-key") as client, pytest.raises(RequestRejected) as err:
+        client.drain_env(other.url)
+    assert err.value.status == 401
+
+
+def test_the_keys_are_read_from_the_file_compose_and_ray_write(tmp_path, start_refenv, start_service):
+    """The key file `rollout-service keys` writes (0600, not overwritten) is what the client reads.
+    Break tried: client_keys ignoring key_file -> no key sent (401)."""
+    path = tmp_path / "keys" / "rollout.keys"
+    made = cli("keys", str(path), env={**os.environ, "ROLLOUT_API_KEY": "", "ROLLOUT_ADMIN_KEY": ""})
+    assert made.returncode == 0, made.stderr
+    assert (path.stat().st_mode & 0o777) == 0o600
+    first = path.read_text()
+    assert cli("keys", str(path)).returncode == 0 and path.read_text() == first  # kept, never replaced
+    values = dict(line.split("=", 1) for line in first.splitlines() if "=" in line and not line.startswith("#"))
+    assert len(values["ROLLOUT_API_KEY"]) >= 32 and values["ROLLOUT_API_KEY"] != values["ROLLOUT_ADMIN_KEY"]
+
+    env = start_refenv("--pool", "2")
+    service = start_service(
+        [env.url], "--api-key-env", "ROLLOUT_API_KEY", "--admin-key-env", "ROLLOUT_ADMIN_KEY", env=values
+    )
+    with RolloutClient(service.url, key_file=path) as client:
+        assert client.tasks()
+        assert [e.url for e in client.envs()] == [env.url]  # the admin key, from the file
+    assert httpx.get(f"{service.url}/envs", headers=_bearer(values["ROLLOUT_API_KEY"])).status_code == 401
+
+
+def _serve(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollout_service.tools.cli", "serve", "--model", "m", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_off_loopback_without_keys_the_service_refuses_to_start_unless_told_insecure(start_refenv, vllm_url):
+    """Breaks tried: no check (today's code) -> `--listen 0.0.0.0` starts open; loopback_listen()
+    answering True -> the same."""
+    env = start_refenv("--pool", "2")
+    port = free_port()
+    base = ["--env", env.url, "--vllm", vllm_url, "--listen", f"0.0.0.0:{port}"]
+    refused = cli("serve", "--model", "m", *base, timeout=60)
+    assert refused.returncode == 2, (refused.returncode, refused.stderr)
+    assert "--api-key-env" in refused.stderr and "--admin-key-env" in refused.stderr, refused.stderr
+    assert "--insecure-no-auth" in refused.stderr
+    # A data key alone guards both planes (one key may serve both): it starts.
+    keyed = cli(
+        "serve", "--model", "m", *base, "--api-key-env", "K", "--startup-timeout", "0.1", env={**os.environ, "K": "k"}
+    )
+    assert "not loopback" not in keyed.stderr, keyed.stderr
+    # An admin key alone leaves the data plane open: refused too.
+    half = cli("serve", "--model", "m", *base, "--admin-key-env", "K", env={**os.environ, "K": "k"}, timeout=60)
+    assert half.returncode == 2 and "data plane has no key" in half.stderr, half.stderr
+
+    proc = _serve(*base, "--insecure-no-auth", "--model", "smollm2-135m-instruct")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, timeout_s=120)
+        warnings = httpx.get(f"{url}/health/detail", timeout=10).json()["warnings"]
+        assert any("--insecure-no-auth" in w and "data and admin plane" in w for w in warnings), warnings
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+    assert "--insecure-no-auth" in stderr, stderr
+
+
+# -- backends are addresses --------------------------------------------------------------------------
+
+
+def test_a_backend_url_is_an_address_and_a_refusal_never_echoes_what_the_backend_said(
+    start_refenv, start_service, start_scripted_model, hostile
+):
+    """POST /envs and /replicas on a hostile server (allowed: loopback, the default).
+    Breaks tried: today's code -> `{url}/internal/keys#` makes the service GET /internal/keys and the
+    422 carries the secret; http_url without the query/fragment check -> the hostile server is asked
+    /internal/keys; the env's message kept in _ask_env's refusal -> the secret comes back."""
+    hostile_url, asked = hostile
+    model = start_scripted_model("answer")
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], vllm=model.url, model="scripted")
+
+    for url in (
+        f"{hostile_url}/internal/keys#",
+        f"{hostile_url}/internal/keys?x=",
+        f"{hostile_url}/internal/keys/health",
+        f"{hostile_url}/a/../internal/keys",
+        f"{hostile_url}/%2e%2e/internal/keys",
+        f"http://user:pw@127.0.0.1:{hostile_url.rsplit(':', 1)[1]}/",
+    ):
+        for path in ("/envs", "/replicas"):
+            refused = httpx.post(f"{service.url}{path}", json={"url": url, "timeout_s": 5}, timeout=30)
+            assert refused.status_code == 422 and refused.json()["error"] == "invalid_request", (url, refused.text)
+    assert asked == [], "nothing was asked of a URL that is not an address"
+
+    # An address: asked, refused by status and kind, and what it said is not repeated.
+    refused = httpx.post(f"{service.url}/envs", json={"url": f"{hostile_url}/echo", "timeout_s": 10}, timeout=30)
+    assert refused.status_code == 422 and refused.json()["error"] == "env_refused", refused.text
+    assert "404" in refused.json()["message"] and "env_rejected" in refused.json()["message"], refused.text
+    assert SECRET not in refused.text
+    assert asked == ["/echo/health"]
+    refused = httpx.post(f"{service.url}/replicas", json={"url": f"{hostile_url}/text", "timeout_s": 10}, timeout=30)
+    assert refused.status_code == 422 and refused.json()["error"] == "replica_refused", refused.text
+    assert SECRET not in refused.text and "not an OpenAI model list" in refused.json()["message"]
+    # A redirect is an answer, not followed.
+    refused = httpx.post(f"{service.url}/envs", json={"url": f"{hostile_url}/redirect", "timeout_s": 10}, timeout=30)
+    assert refused.status_code == 422 and SECRET not in refused.text, refused.text
+    assert not [p for p in asked if p.startswith("/internal")], asked
+    detail = httpx.get(f"{service.url}/health/detail", timeout=10).json()
+    assert SECRET not in json.dumps(detail)
+
+    # A configured backend is checked at start the same way.
+    bad = cli("serve", "--model", "m", "--env", f"{env.url}/?x=1", "--vllm", model.url, timeout=60)
+    assert bad.returncode == 2 and "--env" in bad.stderr and "query or fragment" in bad.stderr, bad.stderr
+
+
+def _refenv_at(launch, host: str):
+    port = free_port()
+    cmd = [*refenv_command(port, "--pool", "2"), "--listen", f"{host}:{port}"]  # the last --listen counts
+    running = launch("refenv", port, cmd, wait=False)
+    running.url = f"http://{host}:{port}"
+    assert wait_until(lambda: httpx.get(f"{running.url}/health", timeout=5).status_code == 200, timeout_s=60)
+    return running
+
+
+def test_allow_backends_bounds_what_membership_may_reach_by_resolved_address(launch, start_service, hostile):
+    """Everything real on 127.0.0.2, allowed; the hostile server on 127.0.0.1, not (the list replaces
+    the loopback default). No spelling reaches it: the issue's decimal IP, a DNS name, IPv6, hex.
+    Breaks tried: no check (today's code) -> POST /envs asks the hostile server; AllowedBackends.check
+    matching the URL's host text against the list instead of the resolved address -> the decimal
+    2130706433 and `localhost` get through."""
+    hostile_url, asked = hostile
+    port = hostile_url.rsplit(":", 1)[1]
+    env = _refenv_at(launch, "127.0.0.2")
+    second = _refenv_at(launch, "127.0.0.2")
+    model_port = free_port()
+    launch("model", model_port, scripted_model.command(model_port, "answer", "--host", "127.0.0.2"), wait=False)
+    model_url = f"http://127.0.0.2:{model_port}"
+    assert wait_until(lambda: httpx.get(f"{model_url}/v1/models", timeout=5).status_code == 200, timeout_s=60)
+    service = start_service([env.url], "--allow-backends", "127.0.0.2", vllm=model_url, model="scripted")
+
+    for spelling in ("127.0.0.1", "2130706433", "localhost", "0x7f.0.0.1", "127.1", "[::ffff:127.0.0.1]"):
+        for path in ("/envs", "/replicas"):
+            url = f"http://{spelling}:{port}"
+            refused = httpx.post(f"{service.url}{path}", json={"url": url, "timeout_s": 5}, timeout=30)
+            assert refused.status_code == 422, (url, refused.text)
+            assert refused.json()["error"] in ("backend_not_allowed", "invalid_request"), refused.text
+            if refused.json()["error"] == "backend_not_allowed":
+                assert "--allow-backends" in refused.json()["message"]
+    assert asked == [], asked
+    # What is allowed joins.
+    added = httpx.post(f"{service.url}/envs", json={"url": second.url}, timeout=60)
+    assert added.status_code == 201, added.text
+    with RolloutClient(service.url, timeout_s=60) as client:
+        assert client.group(task_id="t001", n=2, sampling=SAMPLING).counts.scored == 2
+
+
+def test_by_default_only_loopback_and_the_backends_given_at_start_may_be_added(start_refenv, start_service):
+    """Break tried: AllowedBackends with no default entry -> a non-loopback address is asked (and the
+    request waits for it until timeout_s: 504, not 422)."""
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url])
+    for url in ("http://10.255.255.1:8090", "http://169.254.169.254", "http://0.0.0.0:1"):
+        refused = httpx.post(f"{service.url}/envs", json={"url": url, "timeout_s": 30}, timeout=30)
+        assert refused.status_code == 422 and refused.json()["error"] == "backend_not_allowed", (url, refused.text)
