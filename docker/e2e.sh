@@ -77,7 +77,7 @@ wait_for_service() {
 check_group() {
   local out=$1 task=$2
   say "POST /groups through the service ($task)"
-  curl -fs http://127.0.0.1:8080/groups -H 'content-type: application/json' \
+  curl -fs http://127.0.0.1:8080/groups -H 'content-type: application/json' -H "Authorization: Bearer $ROLLOUT_API_KEY" \
     -d "{\"task_id\": \"$task\", \"n\": 4, \"sampling\": {\"temperature\": 0.8, \"max_tokens\": 48}}" >"$out"
   python3 - "$out" <<'PY'
 import json, sys
@@ -103,6 +103,9 @@ PY
 say "docker compose up (vLLM prepares the model and compiles at first start: a few minutes)"
 $COMPOSE up -d >"$LOGS/e2e-up.log" 2>&1 || { tail -5 "$LOGS/e2e-up.log"; exit 1; }
 wait_for_service
+# The keys compose generated, where the trainer reads them; without one the data plane answers 401.
+set -a; . docker/keys/rollout.keys; set +a
+[ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8080/tasks)" = 401 ] || { echo "e2e: /tasks answered without a key"; exit 1; }
 check_group results/e2e-group.json t019
 
 # 2. The same stack with an env image built like a foreign one (GraphJin's): its own entrypoint, not
@@ -121,5 +124,5 @@ say "recreating env ($ENV_IMAGE $ENV_COMMAND) and the service"
 $COMPOSE up -d --force-recreate --no-build env service >"$LOGS/e2e-up-foreign.log" 2>&1 || { tail -5 "$LOGS/e2e-up-foreign.log"; exit 1; }
 wait_for_service
 docker inspect -f '{{.Config.Entrypoint}} {{.Config.Cmd}} user={{.Config.User}}' "$($COMPOSE ps -q env)" | sed 's/^/e2e: env container runs /'
-check_group results/e2e-group-foreign.json "$(curl -fs http://127.0.0.1:8080/tasks | python3 -c 'import json,sys; print(json.load(sys.stdin)["tasks"][0]["task_id"])')"
+check_group results/e2e-group-foreign.json "$(curl -fs http://127.0.0.1:8080/tasks -H "Authorization: Bearer $ROLLOUT_API_KEY" | python3 -c 'import json,sys; print(json.load(sys.stdin)["tasks"][0]["task_id"])')"
 say "OK"

@@ -6,8 +6,8 @@ The file is environment-variable lines, so a shell (`set -a; . FILE`) and the se
     ROLLOUT_API_KEY=...      the data plane's key (trainers)
     ROLLOUT_ADMIN_KEY=...    the admin plane's key (operators: membership, policy updates)
 
-It is created with mode 0600 (owner only), never through a symlink, and never overwritten: keys
-already there stay the keys.
+It is created with mode 0600 (owner only), never through a symlink. Keys generated once stay the
+keys: a file that exists is replaced only by keys the operator chose (both variables set).
 """
 
 from __future__ import annotations

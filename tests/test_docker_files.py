@@ -67,6 +67,16 @@ def test_compose_files_validate(compose):
     # The service waits for the env and model server itself, long enough for vLLM to load.
     command = services["service"]["command"]
     assert float(command[command.index("--startup-timeout") + 1]) >= 1800
+    # It listens on 0.0.0.0 in its network: it starts only keyed, with the keys the keys step wrote
+    # (generated where none are set) into the host folder the trainer reads and the service's volume.
+    assert command[command.index("--api-key-env") + 1] == "ROLLOUT_API_KEY"
+    assert command[command.index("--admin-key-env") + 1] == "ROLLOUT_ADMIN_KEY"
+    assert "/service-keys/rollout.keys" in " ".join(services["service"]["entrypoint"])
+    assert services["service"]["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+    keys = services["keys"]
+    assert "rollout-service keys /keys/rollout.keys" in " ".join(keys["command"])
+    assert any("docker/keys:/keys" in str(v) for v in keys["volumes"]), keys["volumes"]
+    assert (DOCKER / "keys" / ".gitignore").is_file()  # the folder exists in a clone, owned by its user
     _assert_env_needs_nothing_inside(config)
 
 
