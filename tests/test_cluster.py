@@ -27,7 +27,9 @@ import pytest
 from helpers import assert_accounted, assert_env_accounted, cli, unclaimed_ports, wait_until
 
 from inference import embedded_model
+from rollout_service.keys import read_key_file
 from rollout_service.tools.stack import free_port, port_in_use
+from rollout_service.trainer.client import RequestRejected, RolloutClient
 
 pytest.importorskip("ray", reason="ray is not installed (the `ray` extra; `make test` installs it)")
 
@@ -147,6 +149,7 @@ def deployment(ray_cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("cluster")
     replica, envs, service = unclaimed_ports(1), unclaimed_ports(3), unclaimed_ports(1)
     config = folder / "cluster.yaml"
+    keys_file = f"{folder}/keys/{{namespace}}.keys"  # `ray up` fills in the namespace
     config.write_text(
         f"""
 namespace: test-{random.randrange(1 << 30):x}
@@ -154,7 +157,7 @@ model: {embedded_model.MODEL_NAME}
 logs_dir: {folder / "logs"}
 replicas: {{count: 1, port: {replica}, num_cpus: 1, resources: {{node_a: 1}}, kv_cache_gib: 1}}
 envs: {{count: 1, port: {envs}, pool: 2, num_cpus: 0, resources: {{node_b: 0.1}}, max_restarts: 3}}
-service: {{port: {service}, num_cpus: 0, resources: {{node_b: 0.1}}}}
+service: {{port: {service}, num_cpus: 0, resources: {{node_b: 0.1}}, keys_file: "{keys_file}"}}
 """
     )
     deployed = Deployment(address, env, config)
@@ -162,13 +165,19 @@ service: {{port: {service}, num_cpus: 0, resources: {{node_b: 0.1}}}}
     try:
         assert up.returncode == 0, up.stderr[-4000:]
         deployed.up = json.loads(up.stdout)
+        # No key in the config: `up` generated both where the trainer reads them.
+        (deployed.keys_file,) = (folder / "keys").iterdir()
+        assert str(deployed.keys_file) in up.stderr and deployed.keys_file.stat().st_mode & 0o777 == 0o600
+        deployed.keys = read_key_file(deployed.keys_file)
+        # The tests ask as operators: the admin key reads the data plane too.
+        deployed.headers = {"Authorization": f"Bearer {deployed.keys['ROLLOUT_ADMIN_KEY']}"}
         yield deployed
     finally:
         deployed.run("down", timeout=300)
 
 
-def post_group(service: str, body: dict, timeout: float = 300) -> dict:
-    answer = httpx.post(f"{service}/groups", json=body, timeout=timeout)
+def post_group(service: str, body: dict, headers: dict, timeout: float = 300) -> dict:
+    answer = httpx.post(f"{service}/groups", json=body, headers=headers, timeout=timeout)
     assert answer.status_code == 200, answer.text
     group = answer.json()
     assert_accounted(group)
@@ -182,9 +191,20 @@ def test_up_places_each_piece_on_its_node_and_groups_score(deployment):
     nodes = node_resources(deployment.address, deployment.env)
     assert "node_a" in nodes[pieces["replica-0"]["node_id"]], "the replica asked for node_a"
     assert "node_b" in nodes[pieces["env-0"]["node_id"]] and "node_b" in nodes[pieces["service-0"]["node_id"]]
-    group = post_group(pieces["service-0"]["url"], {"task_id": "t001", "n": 2, "sampling": SAMPLING})
+    service = pieces["service-0"]["url"]
+    group = post_group(service, {"task_id": "t001", "n": 2, "sampling": SAMPLING}, deployment.headers)
     assert group["counts"]["scored"] == 2 and group["env"]["urls"] == [pieces["env-0"]["url"]]
     assert {t["endpoint"] for a in group["attempts"] for t in a["turns"]} == {pieces["replica-0"]["url"]}
+    # With no key in the config the service is keyed all the same (off loopback it would not start
+    # otherwise): a trainer with the API key reads tasks and cannot change membership. Break tried:
+    # _key_flags returning [] -> on a node whose address is not loopback the service refuses to start
+    # and `up` fails (on a loopback node, the unkeyed POST below would answer).
+    assert httpx.post(f"{service}/groups", json={"task_id": "t001"}, timeout=30).status_code == 401
+    with RolloutClient(service, api_key=deployment.keys["ROLLOUT_API_KEY"], timeout_s=300) as trainer:
+        assert trainer.tasks()
+        with pytest.raises(RequestRejected) as refused:
+            trainer.drain_env(pieces["env-0"]["url"])
+        assert refused.value.status == 401
 
 
 def test_a_killed_env_is_restarted_by_ray_and_taken_back(deployment):
@@ -194,7 +214,7 @@ def test_a_killed_env_is_restarted_by_ray_and_taken_back(deployment):
     env, service = before["env-0"], before["service-0"]["url"]
     answers: list[dict] = []
     body = {"task_id": "t002", "n": 2, "retries": 0, "sampling": SAMPLING}
-    group = threading.Thread(target=lambda: answers.append(post_group(service, body)))
+    group = threading.Thread(target=lambda: answers.append(post_group(service, body, deployment.headers)))
     group.start()
     try:
         assert wait_until(lambda: httpx.get(f"{env['url']}/health", timeout=5).json()["leased"] > 0, 60)
@@ -211,13 +231,13 @@ def test_a_killed_env_is_restarted_by_ray_and_taken_back(deployment):
     assert wait_until(restarted, 120, every_s=2), "restarted"
 
     def taken_back() -> bool:
-        detail = httpx.get(f"{service}/health/detail", timeout=10).json()
+        detail = httpx.get(f"{service}/health/detail", headers=deployment.headers, timeout=10).json()
         return all(e["ok"] for e in detail["envs"]) and detail["status"] == "ok"
 
     assert wait_until(taken_back, 60, every_s=1)
-    again = post_group(service, {"task_id": "t003", "n": 2, "sampling": SAMPLING})
+    again = post_group(service, {"task_id": "t003", "n": 2, "sampling": SAMPLING}, deployment.headers)
     assert again["counts"]["scored"] == 2
-    detail = httpx.get(f"{service}/health/detail", timeout=10).json()
+    detail = httpx.get(f"{service}/health/detail", headers=deployment.headers, timeout=10).json()
     assert [e["held"] for e in detail["envs"]] == [0], "a world slot leaked"
     health = httpx.get(f"{env['url']}/health", timeout=10).json()
     assert health["leased"] == 0
@@ -232,7 +252,9 @@ def test_scaling_envs_up_and_down_while_groups_run_loses_nothing(deployment):
     lines: list[dict] = []
 
     def batch() -> None:
-        with httpx.stream("POST", f"{service}/groups/batch", json={"groups": groups}, timeout=600) as answer:
+        with httpx.stream(
+            "POST", f"{service}/groups/batch", json={"groups": groups}, headers=deployment.headers, timeout=600
+        ) as answer:
             lines.extend(json.loads(line) for line in answer.iter_lines() if line.strip())
 
     runner = threading.Thread(target=batch)
@@ -240,12 +262,13 @@ def test_scaling_envs_up_and_down_while_groups_run_loses_nothing(deployment):
     try:
         up = deployment.run("scale", "--envs", "2", timeout=300)
         assert up.returncode == 0, up.stderr[-3000:]
-        envs = httpx.get(f"{service}/envs", timeout=10).json()
+        envs = httpx.get(f"{service}/envs", headers=deployment.headers, timeout=10).json()
         assert len(envs) == 2 and all(e["pool"] == 2 for e in envs)
         added = deployment.status()["env-1"]["url"]
         down = deployment.run("scale", "--envs", "1", timeout=600)
         assert down.returncode == 0, down.stderr[-3000:]
-        assert [e["url"] for e in httpx.get(f"{service}/envs", timeout=10).json()] != [added]
+        listed = httpx.get(f"{service}/envs", headers=deployment.headers, timeout=10).json()
+        assert [e["url"] for e in listed] != [added]
     finally:
         runner.join(600)
     assert len(lines) == 4 and all("group" in line for line in lines), lines
@@ -253,7 +276,7 @@ def test_scaling_envs_up_and_down_while_groups_run_loses_nothing(deployment):
         assert_accounted(line["group"])
         assert line["group"]["counts"]["scored"] == 2, line["group"]["attempts"]  # nothing lost, nothing cut short
     assert "env-1" not in deployment.status()
-    (left,) = httpx.get(f"{service}/health/detail", timeout=10).json()["envs"]
+    (left,) = httpx.get(f"{service}/health/detail", headers=deployment.headers, timeout=10).json()["envs"]
     assert left["max_held"] <= left["pool"] and left["held"] == 0
 
 
