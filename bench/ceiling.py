@@ -55,10 +55,12 @@ class Processes:
         self.logs = logs
         self.running: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, argv: list[str]) -> psutil.Process:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> psutil.Process:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = open(self.logs / f"{name}.log", "w")
-        self.running[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.running[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+        )
         return psutil.Process(self.running[name].pid)
 
     def stop(self) -> None:
@@ -189,6 +191,7 @@ async def measure(args: argparse.Namespace, in_flight: int, completion_tokens: i
             [py, "-m", "rollout_service.tools.cli", "serve", "--env", urls["env"], "--vllm", urls["model"],
              "--model", "ceiling-model", "--listen", f"127.0.0.1:{ports['service']}", "--max-n", str(N),
              "--max-batch", str(MAX_BATCH), "--max-queued-attempts", str(max(4 * in_flight, 2 * args.queued, 10_000))],
+            env=getattr(args, "service_env", None),
         )  # fmt: skip
         await _wait_up(f"{urls['model']}/health", stack.running["model"])
         await _wait_up(f"{urls['env']}/health", stack.running["env"])

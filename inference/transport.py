@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import json as std_json
 import logging
+import os
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -384,6 +385,13 @@ def make_transport(timeout_s: float, stand_in: httpx.AsyncBaseTransport | None =
     an httpx transport answering for the servers."""
     if stand_in is not None:
         return HttpxTransport(httpx.AsyncClient(transport=stand_in, timeout=timeout_s))
+    # Only for bench/http_stacks.py's side-by-side measurement of the candidate stacks.
+    stack = os.environ.get("ROLLOUT_BENCH_HTTP_STACK", "http11")
+    if stack == "aiohttp":
+        return AiohttpTransport(timeout_s)
+    if stack == "httpx":
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        return HttpxTransport(httpx.AsyncClient(timeout=timeout_s, trust_env=False, limits=limits))
     from .http11 import Http11Transport  # here: it builds on this module's types
 
     return Http11Transport(timeout_s)
