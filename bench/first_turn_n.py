@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inference.client import ChatClient, SamplingParams
 from inference.embedded_model import MODEL_NAME
+from inference.replicas import ReplicaPool
 from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT
+from rollout_service.protocol import SamplingParams
 
 MESSAGES = [
     {"role": "system", "content": SYSTEM_PROMPT},
@@ -28,17 +29,19 @@ MESSAGES = [
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "action", "schema": ACTION_SCHEMA}}
 
 
-async def one_request(client: ChatClient, k: int, sampling: SamplingParams) -> int:
+async def one_request(client: ReplicaPool, k: int, sampling: SamplingParams) -> int:
     result = await client.chat(
-        model=MODEL_NAME, messages=MESSAGES, sampling=sampling, n=k, response_format=RESPONSE_FORMAT
+        model=MODEL_NAME, messages=MESSAGES, sampling=sampling.model_dump(), n=k, response_format=RESPONSE_FORMAT
     )
     return sum(len(c.completion_token_ids or ()) for c in result.choices)
 
 
-async def k_requests(client: ChatClient, k: int, sampling: SamplingParams) -> int:
+async def k_requests(client: ReplicaPool, k: int, sampling: SamplingParams) -> int:
     results = await asyncio.gather(
         *(
-            client.chat(model=MODEL_NAME, messages=MESSAGES, sampling=sampling, response_format=RESPONSE_FORMAT)
+            client.chat(
+                model=MODEL_NAME, messages=MESSAGES, sampling=sampling.model_dump(), response_format=RESPONSE_FORMAT
+            )
             for _ in range(k)
         )
     )
@@ -46,7 +49,7 @@ async def k_requests(client: ChatClient, k: int, sampling: SamplingParams) -> in
 
 
 async def run(url: str, k: int, rounds: int, max_tokens: int) -> None:
-    client = ChatClient([url])
+    client = ReplicaPool([url])
     sampling = SamplingParams(temperature=0.8, max_tokens=max_tokens)
     rates: dict[str, list[float]] = {"n=k": [], "k requests": []}
     await k_requests(client, k, sampling)  # warm the prefix cache and the grammar cache

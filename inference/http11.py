@@ -21,8 +21,10 @@ import urllib.parse
 import httptools
 
 from .transport import (
+    DEFAULT_MAX_ANSWER_BYTES,
     MAX_HEADER_BYTES,
     AiohttpTransport,
+    AnswerTooLarge,
     ConnectRefused,
     HttpAnswer,
     HttpTransport,
@@ -63,7 +65,8 @@ class _Dropped(TransportError):
 class _Connection(asyncio.Protocol):
     """One kept-alive connection: one request at a time, its answer parsed as it comes."""
 
-    def __init__(self, idle: dict[_Connection, None], live: set[_Connection]) -> None:
+    def __init__(self, idle: dict[_Connection, None], live: set[_Connection], max_body_bytes: int) -> None:
+        self.max_body_bytes = max_body_bytes
         self.idle_set = idle  # the pool's idle connections to this server
         self.live = live  # the pool's open connections (aclose aborts them); added once connected
         self.transport: asyncio.Transport | None = None
@@ -73,10 +76,12 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.expires = 0.0  # the loop's time by which the current request's answer must be whole
         self.answered = False  # any byte of an answer to the current request
+        self.max_idle_s = float("inf")  # half the server's own `Keep-Alive: timeout=N`, where it sends one
         self._reset()
 
     def _reset(self) -> None:
         self.body: list[bytes] = []
+        self.body_bytes = 0
         self.header_bytes = 0
         self.head_bytes = 0  # bytes received before the headers were whole
         self.headers_done = False
@@ -158,13 +163,26 @@ class _Connection(asyncio.Protocol):
         if self.header_bytes > MAX_HEADER_BYTES:
             raise ValueError("the answer's headers are too long")
         lowered = name.lower()
-        if lowered == b"content-length" or (lowered == b"transfer-encoding" and b"chunked" in value.lower()):
+        if lowered == b"content-length":
             self.framed = True
+            length = value.strip()
+            if length.isdigit() and int(length) > self.max_body_bytes:  # refused before any of it comes
+                self._fail(AnswerTooLarge(self.max_body_bytes))
+                raise ValueError("the answer is too long")  # stops the parser; data_received aborts
+        elif lowered == b"transfer-encoding":
+            # RFC 9112 6.3: chunked framing only when chunked is the last coding; otherwise the close ends it.
+            self.framed = value.rpartition(b",")[2].strip().lower() == b"chunked"
+        elif lowered == b"keep-alive":
+            self.max_idle_s = _keep_alive_timeout(value) / 2
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
+        self.body_bytes += len(body)
+        if self.body_bytes > self.max_body_bytes:  # cut off as it comes, never held whole
+            self._fail(AnswerTooLarge(self.max_body_bytes))
+            raise ValueError("the answer is too long")  # stops the parser; data_received aborts
         self.body.append(body)
 
     def on_message_complete(self) -> None:
@@ -200,10 +218,13 @@ class Http11Transport(HttpTransport):
     """Kept-alive connections per server, made as needed (no cap: the scheduler and the envs' pools
     bound what is in flight), newest idle one first; aiohttp for what this does not speak."""
 
-    def __init__(self, timeout_s: float, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, timeout_s: float, connect_timeout_s: float = 10.0, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    ) -> None:
+        self.max_answer_bytes = max_answer_bytes
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
-        self._fallback = AiohttpTransport(timeout_s, connect_timeout_s)
+        self._fallback = AiohttpTransport(timeout_s, connect_timeout_s, max_answer_bytes)
         self._idle: dict[tuple[str, int], dict[_Connection, None]] = {}
         self._live: set[_Connection] = set()
         self._closed = False
@@ -312,7 +333,11 @@ class Http11Transport(HttpTransport):
         while idle:
             connection = idle.popitem()[0]
             usable = connection.transport is not None and not connection.transport.is_closing()
-            if usable and not connection.closed and now - connection.idle_since < MAX_IDLE_S:
+            if (
+                usable
+                and not connection.closed
+                and now - connection.idle_since < min(MAX_IDLE_S, connection.max_idle_s)
+            ):
                 return connection
             connection.abort()
         return None
@@ -322,7 +347,9 @@ class Http11Transport(HttpTransport):
         left = expires - loop.time()
         try:
             async with asyncio.timeout(min(self._connect_timeout_s, left)):
-                _, connection = await loop.create_connection(lambda: _Connection(idle, self._live), *server)
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(idle, self._live, self.max_answer_bytes), *server
+                )
         except TimeoutError:
             if left <= self._connect_timeout_s:
                 raise TransportTimeout("no answer in time") from None
@@ -344,6 +371,19 @@ class Http11Transport(HttpTransport):
             connection.abort()  # a request still waiting gets TransportError
         self._idle.clear()
         await self._fallback.aclose()
+
+
+def _keep_alive_timeout(value: bytes) -> float:
+    """The `timeout=N` of a Keep-Alive header (RFC 2068 19.7.1): how long the server keeps an idle
+    connection; no limit where it names none."""
+    for part in value.split(b","):
+        key, _, number = part.partition(b"=")
+        if key.strip().lower() == b"timeout":
+            try:
+                return max(0.0, float(number.strip()))
+            except ValueError:
+                break
+    return float("inf")
 
 
 def _plain(text: str, spaces: bool = False) -> bool:

@@ -55,6 +55,21 @@ class ConnectRefused(TransportError):
     """No server is listening (or the connection could not be made at all)."""
 
 
+class AnswerTooLarge(TransportError):
+    """The answer was longer than the transport's cap: cut off as it came, never held whole."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"the answer is longer than {limit} bytes (--max-answer-bytes)")
+
+
+# What one answer from an env or a model server may hold unless a transport is told otherwise. The
+# largest legitimate one is a completion: max_tokens (at most 32,768) times an id, a logprob and its
+# text (under 128 bytes a token, written as JSON, with the chat endpoint's per-token entries) for
+# each of up to 16 choices is 64 MiB; an env's observation is far below that.
+DEFAULT_MAX_ANSWER_BYTES = 64 << 20
+
+
 class JsonList(list):
     """A list that keeps its own JSON as it grows: an exact attempt's prompt is thousands of ids, sent
     once a turn and written again in the group's result (in each turn's record too, until 2026-12-03),
@@ -278,7 +293,10 @@ class EnvProxies:
 
 
 class HttpTransport:
-    """One pool of keep-alive connections; `request` answers whatever status the server sent."""
+    """One pool of keep-alive connections; `request` answers whatever status the server sent, or
+    raises AnswerTooLarge as soon as more than `max_answer_bytes` of an answer's body has come."""
+
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
 
     async def request(
         self,
@@ -310,7 +328,10 @@ class HttpTransport:
 class AiohttpTransport(HttpTransport):
     """aiohttp's client; its session is made on first use, inside the loop that will use it."""
 
-    def __init__(self, timeout_s: float, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, timeout_s: float, connect_timeout_s: float = 10.0, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    ) -> None:
+        self.max_answer_bytes = max_answer_bytes
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -361,7 +382,7 @@ class AiohttpTransport(HttpTransport):
                 proxy=proxy[0] if proxy else None,
                 proxy_headers=proxy[1] if proxy else None,
             ) as response:
-                return HttpAnswer(response.status, await response.read())
+                return HttpAnswer(response.status, await self._read(response))
         except TimeoutError as exc:
             raise TransportTimeout(f"{type(exc).__name__}: no answer in time") from None
         except (aiohttp.ClientConnectorError, ValueError) as exc:  # ValueError: a host name that cannot be one
@@ -373,6 +394,18 @@ class AiohttpTransport(HttpTransport):
                 raise TransportError(f"{type(exc).__name__}: {exc}") from None
             raise  # a bug (say, a second event loop): not a backend's failure
 
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+        """The body, refused as soon as it outgrows the cap (an announced length over it at once)."""
+        limit = self.max_answer_bytes
+        if response.content_length is not None and response.content_length > limit:
+            raise AnswerTooLarge(limit)
+        body = bytearray()
+        async for chunk in response.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise AnswerTooLarge(limit)  # leaving the block closes the connection: the rest is unread
+        return bytes(body)
+
     async def aclose(self) -> None:
         self._closed = True
         if self._session is not None:
@@ -380,35 +413,46 @@ class AiohttpTransport(HttpTransport):
             await session.close()
 
 
-def make_transport(timeout_s: float, stand_in: httpx.AsyncBaseTransport | None = None) -> HttpTransport:
+def make_transport(
+    timeout_s: float,
+    stand_in: httpx.AsyncBaseTransport | None = None,
+    *,
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+) -> HttpTransport:
     """The bare HTTP/1.1 client (aiohttp behind it for what it does not speak), or (tests) `stand_in`,
-    an httpx transport answering for the servers."""
+    an httpx transport answering for the servers; either reads at most `max_answer_bytes` of an answer."""
     if stand_in is not None:
-        return HttpxTransport(httpx.AsyncClient(transport=stand_in, timeout=timeout_s))
+        return HttpxTransport(httpx.AsyncClient(transport=stand_in, timeout=timeout_s), max_answer_bytes)
     # Only for bench/http_stacks.py's side-by-side measurement of the candidate stacks.
     stack = os.environ.get("ROLLOUT_BENCH_HTTP_STACK", "http11")
     if stack == "aiohttp":
-        return AiohttpTransport(timeout_s)
+        return AiohttpTransport(timeout_s, max_answer_bytes=max_answer_bytes)
     if stack == "httpx":
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        return HttpxTransport(httpx.AsyncClient(timeout=timeout_s, trust_env=False, limits=limits))
+        return HttpxTransport(httpx.AsyncClient(timeout=timeout_s, trust_env=False, limits=limits), max_answer_bytes)
     from .http11 import Http11Transport  # here: it builds on this module's types
 
-    return Http11Transport(timeout_s)
+    return Http11Transport(timeout_s, max_answer_bytes=max_answer_bytes)
 
 
 class HttpxTransport(HttpTransport):
     """The same calls over an httpx client (any of its transports: tests stand in for servers so)."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: httpx.AsyncClient, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES) -> None:
         self._http = client
+        self.max_answer_bytes = max_answer_bytes
 
     async def _send(
         self, method: str, url: str, body: bytes | None, headers: dict[str, str], deadline_s: float | None
     ) -> HttpAnswer:
         kwargs: dict[str, Any] = {} if deadline_s is None else {"timeout": deadline_s}
         try:
-            response = await self._http.request(method, url, content=body, headers=headers, **kwargs)
+            async with self._http.stream(method, url, content=body, headers=headers, **kwargs) as response:
+                received = bytearray()
+                async for chunk in response.aiter_bytes():
+                    received += chunk
+                    if len(received) > self.max_answer_bytes:
+                        raise AnswerTooLarge(self.max_answer_bytes)
         except httpx.TimeoutException as exc:
             raise TransportTimeout(f"{type(exc).__name__}: no answer in time") from None
         except httpx.ConnectError as exc:
@@ -419,7 +463,7 @@ class HttpxTransport(HttpTransport):
             if self._http.is_closed:
                 raise TransportError(f"{type(exc).__name__}: {exc}") from None
             raise
-        return HttpAnswer(response.status_code, response.content)
+        return HttpAnswer(response.status_code, bytes(received))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -12,11 +12,20 @@ The calls (vLLM 0.32, CPU build checked here):
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 import httpx
 
-from .client import MAX_DETAIL_CHARS, error_text
+from .errors import MAX_DETAIL_CHARS, error_text
+from .transport import (
+    DEFAULT_MAX_ANSWER_BYTES,
+    AnswerTooLarge,
+    HttpAnswer,
+    HttpTransport,
+    TransportError,
+    make_transport,
+)
 
 
 class WeightUpdateError(Exception):
@@ -34,22 +43,45 @@ class WeightUpdateError(Exception):
 
 
 class WeightsClient:
-    """The weight-update calls of one or more vLLM servers, over one HTTP client."""
+    """The weight-update calls of one or more vLLM servers: the admin side of a model server, apart
+    from the replica pool's data plane, over the same HTTP stack and its rules (no netrc, proxies
+    read once, answers capped)."""
 
-    def __init__(self, timeout_s: float = 600.0, api_key: str | None = None) -> None:
-        # Reloading a large checkpoint can take minutes; the connect timeout stays short.
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+    def __init__(
+        self,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        *,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """`transport`: an httpx transport standing in for the servers (tests). Reloading a large
+        checkpoint can take minutes: `timeout_s` is long, the connect timeout stays short."""
+        self._http: HttpTransport = make_transport(timeout_s, transport, max_answer_bytes=max_answer_bytes)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, url: str, action: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _call(
+        self,
+        url: str,
+        action: str,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-request deadline, passed to the transport
+    ) -> HttpAnswer:
+        target = f"{url}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
         try:
-            response = await self._http.request(method, f"{url}{path}", headers=self._headers, **kwargs)
-        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the client was closed (shutdown)
-            raise WeightUpdateError(url, action, f"unreachable: {type(exc).__name__}: {exc}") from None
-        if response.status_code == 404 and "Not Found" in response.text[:100]:
+            response = await self._http.request(method, target, json=json, headers=self._headers, timeout=timeout)
+        except AnswerTooLarge as exc:
+            raise WeightUpdateError(url, action, str(exc)) from None
+        except TransportError as exc:
+            raise WeightUpdateError(url, action, f"unreachable: {exc}") from None
+        if response.status == 404 and "Not Found" in response.text[:100]:
             raise WeightUpdateError(
                 url,
                 action,
@@ -57,8 +89,8 @@ class WeightsClient:
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; pause and full weights need VLLM_SERVER_DEV_MODE=1",
                 404,
             )
-        if response.status_code >= 400:
-            raise WeightUpdateError(url, action, error_text(response), response.status_code)
+        if response.status >= 400:
+            raise WeightUpdateError(url, action, error_text(response), response.status)
         return response
 
     async def _json(self, url: str, action: str, method: str, path: str, **kwargs: Any) -> dict:

@@ -129,6 +129,7 @@ FailureKind = Literal[
     "env_episode_timeout",  # 504: the episode neither asked nor finished in time
     "env_rejected",  # 400/405/409: the env refused what the service sent (a bug somewhere)
     "env_bad_answer",  # the env answered with something the contract does not allow
+    "env_answer_too_large",  # the env's answer was longer than the service's --max-answer-bytes
     "transport_error",  # the env finished the episode with failure_category transport_error
     "environment_failure",  # the env finished the episode with failure_category environment_failure
     "env_abandoned",  # the env reported the episode abandoned
@@ -138,6 +139,7 @@ FailureKind = Literal[
     "inference_server_error",  # 5xx
     "inference_rejected",  # 4xx other than a context overflow
     "bad_response",  # a completion the service cannot use (no choices, wrong shape)
+    "inference_answer_too_large",  # the model server's answer was longer than --max-answer-bytes
     "policy_paused",  # timeout_s ran out while the policy replicas were paused for a weight update
     # The policy moved on: the attempt fell further behind than max_staleness too many times.
     "stale",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from inference.client import ChatClient
+from inference.replicas import ReplicaPool
 from inference.weights import WeightsClient
 from rollout_service.server.metrics import Metrics
 from rollout_service.server.policy import PolicyManager
@@ -161,17 +161,15 @@ class Fleet:
     def paused(self) -> list[bool]:
         return [r.paused for r in self.replicas.values()]
 
-    async def chat_client(self) -> ChatClient:
-        return ChatClient(list(self.replicas), timeout_s=30.0, token_ids=False, transport=self.transport())
+    async def chat_client(self) -> ReplicaPool:
+        return ReplicaPool(list(self.replicas), timeout_s=30.0, token_ids=False, transport=self.transport())
 
     async def weights_client(self) -> WeightsClient:
-        weights = WeightsClient()
-        await weights._http.aclose()
-        weights._http = httpx.AsyncClient(transport=self.transport())
+        weights = WeightsClient(transport=self.transport())
         return weights
 
 
-async def make_manager(n: int = 2, fleet: Fleet | None = None) -> tuple[Fleet, ChatClient, PolicyManager]:
+async def make_manager(n: int = 2, fleet: Fleet | None = None) -> tuple[Fleet, ReplicaPool, PolicyManager]:
     """A started PolicyManager over a fake fleet (a new one unless given)."""
     fleet = fleet or Fleet(n)
     chat = await fleet.chat_client()

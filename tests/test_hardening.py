@@ -118,7 +118,7 @@ def test_a_token_prompt_completion_sends_the_turns_sampling_seed_included():
     Break tried: the sampling left out of complete's body -> no seed sent, fails."""
     import asyncio
 
-    from inference.client import ChatClient
+    from inference.replicas import ReplicaPool
 
     bodies: list[dict] = []
 
@@ -129,7 +129,7 @@ def test_a_token_prompt_completion_sends_the_turns_sampling_seed_included():
         return httpx.Response(200, json={"choices": [choice], "usage": {"prompt_tokens": 3}})
 
     async def complete() -> None:
-        client = ChatClient(["http://model"], transport=httpx.MockTransport(handle))
+        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(handle))
         try:
             sampling = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 5, "seed": 8241, "stop": None}
             await client.complete(model="m", prompt_token_ids=[1, 2, 3], sampling=sampling)
@@ -154,7 +154,8 @@ def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
     prefix not required at its start -> "token_id:1token_id:" read as 1, fails."""
     import asyncio
 
-    from inference.client import BadInferenceResponse, ChatClient
+    from inference.errors import BadInferenceResponse
+    from inference.replicas import ReplicaPool
 
     sent = list(range(100, 140))
     ids = ["token_id:7", "token_id:8"]
@@ -171,7 +172,7 @@ def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
         return httpx.MockTransport(handle)
 
     async def complete(echo=None, counted=len(sent), tokens=ids, finish_reason="stop"):  # type: ignore[no-untyped-def]
-        client = ChatClient(["http://model"], transport=answer(echo, counted, tokens, finish_reason))
+        client = ReplicaPool(["http://model"], transport=answer(echo, counted, tokens, finish_reason))
         try:
             return await client.complete(model="m", prompt_token_ids=sent, sampling={})
         finally:

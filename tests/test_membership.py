@@ -169,7 +169,7 @@ def test_a_replica_added_serves_once_on_the_current_version_and_a_removed_one_fi
     """The scripted replicas' own logs are the oracle: which adapter each loaded, which chats each
     got. Breaks tried: PolicyManager.join routing the replica at once (no `joining` exclusion) -> a
     group started while the new replica is being checked sends it a chat on v1 before the adapter
-    is loaded (fails at `loaded before any chat`); ChatClient.exclude ignoring `draining` -> the
+    is loaded (fails at `loaded before any chat`); ReplicaPool.exclude ignoring `draining` -> the
     monitor's next probe routes the drained replica again (fails at `stays out of routing`)."""
     slow = start_scripted_model("sql-then-answer", "--sql-turns", "1", "--delay", "3")
     env = start_refenv("--pool", "4")

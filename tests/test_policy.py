@@ -19,7 +19,7 @@ import pytest
 from helpers import assert_accounted, prompt_ids, wait_until
 
 from inference import embedded_model
-from inference.client import structured_output
+from inference.answers import structured_output
 
 MODEL = embedded_model.MODEL_NAME
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "seed": 1}

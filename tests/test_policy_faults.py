@@ -18,7 +18,8 @@ import httpx
 import pytest
 from fake_vllm import BASE, checkpoint, made_by, make_manager
 
-from inference.client import ChatClient, InferenceUnreachable
+from inference.errors import InferenceUnreachable
+from inference.replicas import ReplicaPool
 from rollout_service.protocol import EnvContract, GroupRequest, PolicyUpdate, PolicyUpdateResult
 from rollout_service.server.app import http_status
 from rollout_service.server.env_client import EnvClient
@@ -51,7 +52,7 @@ async def until(predicate, timeout_s: float = 3.0) -> bool:
     return predicate()
 
 
-async def turn(chat: ChatClient, pm: PolicyManager, affinity: str) -> tuple[str, str]:
+async def turn(chat: ReplicaPool, pm: PolicyManager, affinity: str) -> tuple[str, str]:
     """One routed turn as the runner sends it: (the version it is labelled with, what generated it)."""
     lease = await asyncio.wait_for(pm.lease(), 2)
     try:
@@ -87,7 +88,7 @@ class StandInEnv:
         return httpx.Response(200, json={"episode_id": episode, "done": False, "observation": OBS})
 
 
-def make_runner(pm: PolicyManager, chat: ChatClient, env: StandInEnv) -> tuple[GroupRunner, TaskTarget, ModelRoute]:
+def make_runner(pm: PolicyManager, chat: ReplicaPool, env: StandInEnv) -> tuple[GroupRunner, TaskTarget, ModelRoute]:
     slots = EnvSlots(ENV, 1)
     client = EnvClient(ENV, transport=httpx.MockTransport(env))
     contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")

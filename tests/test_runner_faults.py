@@ -11,7 +11,7 @@ import json
 import httpx
 from helpers import results_alive
 
-from inference.client import ChatClient
+from inference.replicas import ReplicaPool
 from rollout_service.protocol import EnvContract, GroupRequest
 from rollout_service.server.env_client import EnvClient
 from rollout_service.server.metrics import Metrics
@@ -54,7 +54,7 @@ def run_group(env: StandInEnv, completion: str = "{}", **request) -> tuple[dict,
     async def go():
         slots = EnvSlots(ENV, 1)
         scheduler = WorldScheduler([slots])
-        chat = ChatClient(["http://model"], transport=chat_answer(completion))
+        chat = ReplicaPool(["http://model"], transport=chat_answer(completion))
         client = EnvClient(ENV, transport=httpx.MockTransport(env))
         contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
         target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
@@ -129,7 +129,7 @@ def test_finished_groups_are_not_retained_by_the_runner():
 
     async def go() -> tuple[int, int]:
         slots = EnvSlots(ENV, 4)
-        chat = ChatClient(["http://model"], transport=chat_answer("an answer"))
+        chat = ReplicaPool(["http://model"], transport=chat_answer("an answer"))
         client = EnvClient(ENV, transport=httpx.MockTransport(env))
         contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
         target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])

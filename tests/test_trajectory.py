@@ -430,7 +430,7 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
     the last render (the third turn rendered apart after a first reply sampled otherwise, fails)."""
     import asyncio
 
-    from inference.client import ChatClient
+    from inference.replicas import ReplicaPool
     from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
 
     server = _TemplateServer(merge)
@@ -444,7 +444,7 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
     longer = [*conversation, {"role": "assistant", "content": second_reply}, second_observation]
 
     async def go() -> tuple[list[list[list[int]]], list[list[str | None]]]:
-        client = ChatClient(["http://model"], transport=httpx.MockTransport(server.handle))
+        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
         try:
             renderer = TemplateRenderer(client, "m")
             assert await renderer.supported("g")
@@ -490,7 +490,7 @@ def test_a_template_that_renders_the_conversation_so_far_otherwise_cuts_and_is_n
     went on. Break tried: `continued` set before the cut -> "rendered_apart", fails."""
     import asyncio
 
-    from inference.client import ChatClient
+    from inference.replicas import ReplicaPool
     from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
 
     server = _TemplateServer("changed")
@@ -498,7 +498,7 @@ def test_a_template_that_renders_the_conversation_so_far_otherwise_cuts_and_is_n
     conversation = [*opening, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "ok"}]
 
     async def go() -> tuple[TrajectoryBuilder, list[int]]:
-        client = ChatClient(["http://model"], transport=httpx.MockTransport(server.handle))
+        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
         try:
             renderer = TemplateRenderer(client, "m")
             assert await renderer.supported("g")
@@ -521,14 +521,15 @@ def test_a_failed_opening_render_fails_only_the_attempt_that_asked():
     of 4 fail; the failed render left in place -> the next attempt fails."""
     import asyncio
 
-    from inference.client import ChatClient, InferenceError
+    from inference.errors import InferenceError
+    from inference.replicas import ReplicaPool
     from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
 
     server = _TemplateServer()
     opening = [{"role": "user", "content": "task"}]
 
     async def go() -> tuple[list, list[int]]:
-        client = ChatClient(["http://model"], transport=httpx.MockTransport(server.handle))
+        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
         try:
             renderer = TemplateRenderer(client, "m")
             assert await renderer.supported("g")
@@ -551,7 +552,7 @@ def test_the_ids_after_known_ones_are_read_from_the_answers_bytes_only_where_the
     sure (then the whole answer is read). Oracle: the standard library's JSON of the same answers.
     Breaks tried: the count not compared -> the disagreeing count passes, fails; the prefix without
     its trailing comma -> [1,2,3] matches [1,2,30,...], fails."""
-    from inference.client import TokenizeAnswer
+    from inference.answers import TokenizeAnswer
 
     def vllm(ids: list[int], count: int | None = None, **dump: object) -> TokenizeAnswer:
         answer = {"count": len(ids) if count is None else count, "max_model_len": 8, "tokens": ids, "token_strs": None}

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from inference.client import ChatClient, InferenceTimeout, InferenceUnreachable
+from inference.errors import InferenceTimeout, InferenceUnreachable
 from inference.http11 import Http11Transport
+from inference.replicas import ReplicaPool
 from inference.transport import (
     AiohttpTransport,
     ConnectRefused,
@@ -118,7 +119,7 @@ def test_nothing_listening_is_a_refused_connection_env_down_and_inference_unreac
                 await env.step("e1", "x", 1, 1)
         finally:
             await env.aclose()
-        chat = ChatClient([f"http://127.0.0.1:{port}"], timeout_s=5.0)
+        chat = ReplicaPool([f"http://127.0.0.1:{port}"], timeout_s=5.0)
         try:
             with pytest.raises(InferenceUnreachable):
                 await chat.complete(model="m", prompt_token_ids=[1], sampling={})
@@ -155,7 +156,7 @@ def test_a_server_that_never_answers_times_out_as_no_answer(transport_class):
                 assert not isinstance(caught.value, EnvDown)  # a live env may hold the episode: abandon it
             finally:
                 await env.aclose()
-            chat = ChatClient([url], timeout_s=0.5)
+            chat = ReplicaPool([url], timeout_s=0.5)
             try:
                 with pytest.raises(InferenceTimeout):
                     await chat.complete(model="m", prompt_token_ids=[1], sampling={})

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.client import normalize_response_format, structured_output
+from inference.answers import normalize_response_format, structured_output
 from refenv.config import parse_duration
 from rollout_service.advantages import group_advantages, summarize
 

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from inference.transport import DEFAULT_MAX_ANSWER_BYTES
+
 from ..flags import Flag, ListenAddress
 from ..protocol import http_url
 from ..runs import valid_run_id
@@ -109,6 +111,13 @@ class ServiceConfig(BaseModel):
         "pass it gets 429 with Retry-After, one with more attempts than the cap itself 422 too_many_attempts",
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="request bodies over this get 413")
+    max_answer_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
+        DEFAULT_MAX_ANSWER_BYTES,
+        ge=1 << 16,
+        description="longest answer read from an env or a model server; a longer one is cut off as it comes and"
+        " fails its turn (env_answer_too_large, inference_answer_too_large). The default holds 16 choices of"
+        " 32,768 tokens with their ids and logprobs",
+    )
     inference_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         300.0, gt=0, description="deadline of one completion"
     )

@@ -9,6 +9,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inference.transport import (
+    DEFAULT_MAX_ANSWER_BYTES,
+    AnswerTooLarge,
     ConnectRefused,
     HttpTransport,
     TransportError,
@@ -48,6 +50,13 @@ class EnvDown(EnvUnreachable):
     starts with every world free), so there is nothing to abandon."""
 
     episode_over = True
+
+
+class EnvAnswerTooLarge(EnvError):
+    """An answer longer than --max-answer-bytes: cut off as it came. The env may have started or
+    advanced the episode all the same, so it is abandoned."""
+
+    kind = "env_answer_too_large"
 
 
 class EnvRejected(EnvError):
@@ -182,11 +191,16 @@ class EnvClient:
     """One environment server. `timeout_s` bounds a single reset/step call on our side."""
 
     def __init__(
-        self, base_url: str, *, timeout_s: float = 330.0, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 330.0,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        # `transport`: an httpx transport standing in for the env (tests); otherwise aiohttp, the fast path.
-        self._http: HttpTransport = make_transport(timeout_s, transport)
+        # `transport`: an httpx transport standing in for the env (tests); otherwise the service's own stack.
+        self._http: HttpTransport = make_transport(timeout_s, transport, max_answer_bytes=max_answer_bytes)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -240,6 +254,8 @@ class EnvClient:
             raise EnvUnreachable(None, "transport_timeout", f"{method} {path}: {exc}") from None
         except ConnectRefused as exc:
             raise EnvDown(None, "transport_error", f"{method} {path}: {exc}") from None
+        except AnswerTooLarge as exc:
+            raise EnvAnswerTooLarge(None, "answer_too_large", f"{method} {path}: {exc}") from None
         except TransportError as exc:
             raise EnvUnreachable(None, "transport_error", f"{method} {path}: {exc}") from None
         try:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from inference.client import ChatClient, Endpoint, InferenceError
+from inference.errors import InferenceError
+from inference.replicas import Endpoint, ReplicaPool
 from inference.weights import WeightsClient, WeightUpdateError
 
 from ..protocol import PolicyState, PolicyUpdate, PolicyUpdateResult, ReplicaState, ReplicaUpdate
@@ -65,7 +66,7 @@ class TurnLease:
 class PolicyManager:
     """The current version, the replicas' state, and the updates (one at a time)."""
 
-    def __init__(self, client: ChatClient, base_model: str, weights: WeightsClient, metrics: Metrics) -> None:
+    def __init__(self, client: ReplicaPool, base_model: str, weights: WeightsClient, metrics: Metrics) -> None:
         self.client = client
         self.base_model = base_model
         self.weights = weights

@@ -8,7 +8,8 @@ import logging
 import time
 from typing import Any
 
-from inference.client import ChatClient, Endpoint, InferenceError
+from inference.errors import InferenceError
+from inference.replicas import Endpoint, ReplicaPool
 from inference.weights import WeightsClient
 
 from ..protocol import ReplicaAdd, ReplicaRef, ReplicaRemove, ReplicaState
@@ -24,9 +25,13 @@ from .tasks import all_or_none
 log = logging.getLogger("rollout_service.replicas")
 
 
-def _chat_client(urls: list[str], config: ServiceConfig, **kwargs: Any) -> ChatClient:
-    return ChatClient(
-        urls, timeout_s=config.inference_timeout, max_requests_per_second=config.max_requests_per_second, **kwargs
+def _replica_pool(urls: list[str], config: ServiceConfig, **kwargs: Any) -> ReplicaPool:
+    return ReplicaPool(
+        urls,
+        timeout_s=config.inference_timeout,
+        max_requests_per_second=config.max_requests_per_second,
+        max_answer_bytes=config.max_answer_bytes,
+        **kwargs,
     )
 
 
@@ -34,17 +39,20 @@ class ReplicaRegistry:
     def __init__(self, config: ServiceConfig, lifecycle: Lifecycle, metrics: Metrics, allowed: AllowedBackends) -> None:
         self.lifecycle = lifecycle
         self.allowed = allowed  # what POST /replicas may reach
-        self.policy = ModelRoute(config.model, _chat_client(config.vllm, config))
+        self.policy = ModelRoute(config.model, _replica_pool(config.vllm, config))
         self.versions = PolicyManager(
-            self.policy.client, self.policy.request_model, WeightsClient(timeout_s=config.update_timeout), metrics
+            self.policy.client,
+            self.policy.request_model,
+            WeightsClient(timeout_s=config.update_timeout, max_answer_bytes=config.max_answer_bytes),
+            metrics,
         )
         self.support: ModelRoute | None = None
         if config.support_model:
-            self.support = ModelRoute(config.support_model, _chat_client(config.support_vllm or config.vllm, config))
+            self.support = ModelRoute(config.support_model, _replica_pool(config.support_vllm or config.vllm, config))
         self.named: dict[str, ModelRoute] = {
             spec.name: ModelRoute(
                 spec.name,
-                _chat_client([spec.url], config, api_key=spec.api_key(), token_ids=spec.token_ids),
+                _replica_pool([spec.url], config, api_key=spec.api_key(), token_ids=spec.token_ids),
                 served_model=spec.model,
             )
             for spec in config.model_endpoint

@@ -16,12 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from inference.client import (
-    BadInferenceResponse,
-    ContextOverflow,
-    InferenceError,
-    structured_output,
-)
+from inference.answers import structured_output
+from inference.errors import BadInferenceResponse, ContextOverflow, InferenceError
 from inference.transport import JsonList
 
 from ..protocol import (

@@ -12,7 +12,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from inference.client import Endpoint, InferenceError, InferenceUnreachable
+from inference.errors import InferenceError, InferenceUnreachable
+from inference.replicas import Endpoint
 
 from ..retry import Backoff
 from .errors import StartupError, Unavailable, shutting_down

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inference.client import ChatClient
+from inference.replicas import ReplicaPool
 
 from ..protocol import EnvContract
 from .env_client import EnvClient
@@ -19,7 +19,7 @@ class ModelRoute:
     """Who answers a stage: a model (as results name it) on a chat client."""
 
     model: str
-    client: ChatClient
+    client: ReplicaPool
     served_model: str | None = None  # the name the server knows it by, when it differs
     renderer: TemplateRenderer | None = field(init=False, default=None)
 

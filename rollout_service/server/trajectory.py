@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, cast
 
-from inference.client import BadInferenceResponse, ChatClient, InferenceError, InferenceRejected, TokenizeAnswer
+from inference.answers import TokenizeAnswer
+from inference.errors import BadInferenceResponse, InferenceError, InferenceRejected
+from inference.replicas import ReplicaPool
 from inference.transport import JsonList, dumps
 
 from ..protocol import CutReason, Segment, Turn, TurnSpan
@@ -71,7 +73,7 @@ class TemplateRenderer:
     for ChatML), learnt once by rendering a probe conversation; a completion that stopped on the
     first of those tokens has already sampled it."""
 
-    client: ChatClient
+    client: ReplicaPool
     model: str
     end_of_turn: list[int] | None = None
     unsupported: str | None = None  # why token prompts cannot be used, once known
