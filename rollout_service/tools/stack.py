@@ -105,23 +105,8 @@ def start_embedded_vllm(
     return proc
 
 
-def _prctl() -> Callable[..., int] | None:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux with glibc: no tie to the parent
-        return None
-
-
-_PRCTL = _prctl()  # resolved here, not after fork: loading a library in the child could deadlock
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG), so that a
-    keeper killed hard (a Ray actor's worker) leaves its server's main process behind no longer."""
-    if _PRCTL is not None:
-        _PRCTL(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+# Runs a command and kills its process group once the launcher is gone (see there).
+_ORPHAN_GUARD = Path(__file__).with_name("orphan_guard.py")
 
 
 class StackError(Exception):
@@ -145,21 +130,35 @@ class ManagedProcess:
     log_path: Path
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
-    die_with_parent: bool = False  # Linux: the kernel kills it when the starting process dies
+    # Killed, with all it started, when the starting process dies however it dies (a Ray actor's
+    # worker killed hard): run under tools/orphan_guard.py, which watches a pipe only this process holds.
+    die_with_parent: bool = False
+    # The pipe's write end: never written, closed by the kernel when this process exits.
+    _lifeline: int | None = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
-        )
-        log.close()
+        cmd: list[str] = self.cmd
+        watched: tuple[int, ...] = ()
+        if self.die_with_parent:
+            # os.pipe's ends are not inherited: only the guard gets the read end (pass_fds), and no
+            # other child of this process holds the write end open after we are gone.
+            read_end, self._lifeline = os.pipe()
+            cmd, watched = [sys.executable, str(_ORPHAN_GUARD), str(read_end), *self.cmd], (read_end,)
+        with open(self.log_path, "ab") as log:
+            try:
+                self.proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.env,
+                    start_new_session=True,
+                    pass_fds=watched,
+                )
+            finally:
+                for fd in watched:
+                    os.close(fd)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -169,6 +168,14 @@ class ManagedProcess:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, then SIGKILL what is left after `grace_s`."""
+        try:
+            self._stop(grace_s)
+        finally:
+            if self._lifeline is not None:
+                os.close(self._lifeline)
+                self._lifeline = None
+
+    def _stop(self, grace_s: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
