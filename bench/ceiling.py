@@ -55,11 +55,13 @@ class Processes:
         self.logs = logs
         self.running: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> psutil.Process:
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> psutil.Process:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = open(self.logs / f"{name}.log", "w")
         self.running[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or ROOT, env={**os.environ, **(env or {})}
         )
         return psutil.Process(self.running[name].pid)
 
@@ -188,10 +190,12 @@ async def measure(args: argparse.Namespace, in_flight: int, completion_tokens: i
         )  # fmt: skip
         service = stack.start(
             "service",
-            [py, "-m", "rollout_service.tools.cli", "serve", "--env", urls["env"], "--vllm", urls["model"],
+            [py, *getattr(args, "service_entry", ["-m", "rollout_service.tools.cli"]), "serve", "--env", urls["env"],
+             "--vllm", urls["model"],
              "--model", "ceiling-model", "--listen", f"127.0.0.1:{ports['service']}", "--max-n", str(N),
              "--max-batch", str(MAX_BATCH), "--max-queued-attempts", str(max(4 * in_flight, 2 * args.queued, 10_000))],
             env=getattr(args, "service_env", None),
+            cwd=getattr(args, "service_cwd", None),
         )  # fmt: skip
         await _wait_up(f"{urls['model']}/health", stack.running["model"])
         await _wait_up(f"{urls['env']}/health", stack.running["env"])

@@ -1,14 +1,17 @@
-"""The HTTP stacks the service could speak to envs and model servers with, side by side.
+"""The HTTP stacks the service could speak to envs and model servers with, side by side; or the
+service at two commits (before and after a change to its hot path).
 
     .venv/bin/python bench/http_stacks.py --rounds 5 --seconds 10 --out bench/results/http-stacks.json
+    .venv/bin/python bench/http_stacks.py --stacks aiohttp before=/path/to/a/checkout-of-main ...
 
 Runs bench/ceiling.py's measurement (instant stand-ins; see there) once per stack, configuration and
 round, alternating: in each round every configuration (exact and chat turns; 128 and 1,024
 completion tokens) is measured with each stack in turn, the order rotated from round to round, so
-that the machine's other load falls on every stack alike. The stack is chosen in the service
-process by ROLLOUT_BENCH_HTTP_STACK. The record holds each run, the machine's load average around
-it, and per round and configuration the ratio of each stack's service CPU per turn to the first
-stack's.
+that the machine's other load falls on every stack alike. `aiohttp` is the service as it is, `httpx`
+the service with its HTTP stack swapped for httpx (bench/stack_service.py), `before=DIR` the service
+run from another checkout (its own code and stack). The record holds each run, the machine's load
+average around it, and per round and configuration the ratio of each stack's service CPU per turn
+to the first stack's.
 """
 
 from __future__ import annotations
@@ -58,7 +61,13 @@ async def run(args: argparse.Namespace) -> dict:
         for tokens, ct in configs:
             for stack in order:
                 one = argparse.Namespace(**vars(args))
-                one.tokens, one.service_env = tokens, {"ROLLOUT_BENCH_HTTP_STACK": stack}
+                one.tokens = tokens
+                if stack.startswith("before="):
+                    tree = Path(stack.removeprefix("before="))  # made absolute in main()
+                    one.service_cwd, one.service_env = tree, {"PYTHONPATH": str(tree)}
+                else:
+                    one.service_entry = [str(ROOT / "bench" / "stack_service.py")]
+                    one.service_env = {"ROLLOUT_BENCH_HTTP_STACK": stack}
                 load_before = os.getloadavg()[0]
                 row = await measure(one, args.in_flight, ct)
                 row.update(
@@ -100,7 +109,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stacks", nargs="+", default=["http11", "aiohttp", "httpx"])
+    parser.add_argument("--stacks", nargs="+", default=["aiohttp", "httpx"], help="aiohttp, httpx or before=DIR")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", nargs="+", default=["exact", "chat"], choices=["exact", "chat"])
     parser.add_argument("--completion-tokens", type=int, nargs="+", default=[128, 1024])
@@ -114,6 +123,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/http-stacks.json")
     args = parser.parse_args()
     args.profile = None
+    args.stacks = [f"before={Path(s[7:]).resolve()}" if s.startswith("before=") else s for s in args.stacks]
     os.chdir(ROOT)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     commit = _commit()

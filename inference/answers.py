@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import StrictInt, TypeAdapter
 
 from .errors import BadInferenceResponse
-from .transport import loads
+from .json_body import loads
 
 # Token ids and logprobs come by the thousand per answer: checked in pydantic-core, not element by
 # element in Python. Ids must be ints as sent (a float or a string is a server's bug); logprobs

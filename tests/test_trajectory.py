@@ -23,7 +23,7 @@ import pytest
 from helpers import assert_accounted
 
 from inference import embedded_model
-from inference.transport import dumps
+from inference.json_body import dumps
 from rollout_service.protocol import Attempt, GroupResult
 from rollout_service.server.result_json import group_json
 from rollout_service.trainer import token_batch, trl_rollout

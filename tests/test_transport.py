@@ -16,17 +16,9 @@ from pathlib import Path
 import pytest
 
 from inference.errors import InferenceTimeout, InferenceUnreachable
-from inference.http11 import Http11Transport
+from inference.json_body import JsonList, dumps, loads
 from inference.replicas import ReplicaPool
-from inference.transport import (
-    AiohttpTransport,
-    ConnectRefused,
-    JsonList,
-    TransportError,
-    TransportTimeout,
-    dumps,
-    loads,
-)
+from inference.transport import AiohttpTransport, ConnectRefused, TransportError, TransportTimeout
 from rollout_service.server.env_client import EnvClient, EnvDown, EnvUnreachable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,8 +91,8 @@ def test_a_json_list_writes_what_the_standard_library_would_after_any_growth_and
     assert all(type(each.snapshot()) is JsonList and each.snapshot() == each for each in lists)
 
 
-# The hot path's client, and aiohttp behind it (https, proxies, what the bare client does not speak).
-TRANSPORTS = pytest.mark.parametrize("transport_class", [Http11Transport, AiohttpTransport])
+# The service's HTTP stack (docs/benchmarks-http.md).
+TRANSPORTS = pytest.mark.parametrize("transport_class", [AiohttpTransport])
 
 
 @TRANSPORTS
@@ -203,7 +195,7 @@ def test_a_backend_back_on_a_new_address_is_found_at_once_and_bad_hosts_are_no_c
         loop = asyncio.get_running_loop()
         getaddrinfo = loop.getaddrinfo
 
-        async def loop_getaddrinfo(host, port_, **kwargs):  # type: ignore[no-untyped-def]  # the loop's (bare client)
+        async def loop_getaddrinfo(host, port_, **kwargs):  # type: ignore[no-untyped-def]  # the loop's
             if host != "envhost":
                 return await getaddrinfo(host, port_, **kwargs)
             asked.append(host)
@@ -252,7 +244,7 @@ def test_requests_go_through_the_environments_proxy_read_once_and_no_proxy_is_ho
         port = server.sockets[0].getsockname()[1]
         monkeypatch.setenv("HTTP_PROXY", f"http://trainer:s%40cret@127.0.0.1:{port}")
         monkeypatch.setenv("NO_PROXY", "direct.invalid")
-        transport = Http11Transport(timeout_s=5.0)  # a proxied request goes through its aiohttp
+        transport = AiohttpTransport(timeout_s=5.0)  # a proxied request goes through its aiohttp
         monkeypatch.delenv("HTTP_PROXY")  # read when the transport was made, not per request
         try:
             async with server:
@@ -330,10 +322,10 @@ def test_a_request_on_a_kept_alive_connection_runs_nothing_on_the_thread_pool(tr
 
 
 @contextlib.asynccontextmanager
-async def _scripted() -> AsyncIterator[tuple[_ScriptedServer, str, Http11Transport]]:
+async def _scripted() -> AsyncIterator[tuple[_ScriptedServer, str, AiohttpTransport]]:
     server = _ScriptedServer()
     url = await server.start()
-    transport = Http11Transport(timeout_s=5.0)
+    transport = AiohttpTransport(timeout_s=5.0)
     try:
         yield server, url, transport
     finally:
@@ -342,7 +334,7 @@ async def _scripted() -> AsyncIterator[tuple[_ScriptedServer, str, Http11Transpo
 
 
 class _ScriptedServer:
-    """A raw HTTP/1.1 server on loopback whose answer depends on the path, for what the bare client
+    """A raw HTTP/1.1 server on loopback whose answer depends on the path, for what the client
     must get right; its counts (connections, requests, EOFs seen) are the oracle."""
 
     def __init__(self) -> None:
@@ -439,11 +431,10 @@ class _ScriptedServer:
         return path != "/close"
 
 
-def test_the_bare_client_keeps_connections_alive_and_reads_every_framing():
+def test_the_client_keeps_connections_alive_and_reads_every_framing():
     """Kept-alive connections are reused (the server's own connection count); chunked answers, answers
     ended by the close, interim 100s and `connection: close` are read as HTTP says; headers past the
-    limit are no answer. Breaks tried: a new connection per request -> 7 connections, fails; interim
-    answers taken as the answer -> status 100, fails."""
+    limit are no answer."""
 
     async def go():
         async with _scripted() as (server, url, transport):
@@ -471,56 +462,33 @@ def test_the_bare_client_keeps_connections_alive_and_reads_every_framing():
     asyncio.run(go())
 
 
-def test_only_an_idempotent_request_is_sent_again_after_a_kept_alive_connection_dropped():
+def test_a_post_is_never_sent_twice_after_a_kept_alive_connection_dropped():
     """A kept-alive connection that ends with no byte of an answer was most likely closed by the server
-    (its idle timeout) as the request went out: a GET or DELETE goes once more on a new connection. A
-    POST (an env's step, a completion) may have run, so it is never sent twice; nor is anything on a
-    new connection, or once an answer had begun. Breaks tried: no retry -> the GET fails; retry
-    whatever the method -> the server sees the POST twice, fails."""
+    (its idle timeout) as the request went out: a GET may go once more (RFC 9110 lets an idempotent
+    request be retried), but a POST (an env's step, a completion) may have run, so it is never sent
+    twice, nor anything once an answer had begun. The server's log of requests is the oracle."""
 
     async def go():
         async with _scripted() as (server, url, transport):
             assert (await transport.request("GET", f"{url}/a")).body == b"/a"
             assert (await transport.request("GET", f"{url}/drop-on-reuse")).body == b"/drop-on-reuse"
-            assert [(c, line) for c, line, _ in server.requests[1:]] == [
-                (1, b"GET /drop-on-reuse HTTP/1.1"), (2, b"GET /drop-on-reuse HTTP/1.1")]  # fmt: skip
             with pytest.raises(TransportError):
                 await transport.request("POST", f"{url}/drop-on-reuse", json={})
             assert sum(line.startswith(b"POST /drop-on-reuse ") for _, line, _ in server.requests) == 1
-            fresh = Http11Transport(timeout_s=5.0)
-            try:
-                with pytest.raises(TransportError):
-                    await fresh.request("GET", f"{url}/drop")
-            finally:
-                await fresh.aclose()
-            assert sum(line.startswith(b"GET /drop ") for _, line, _ in server.requests) == 1
             assert (await transport.request("GET", f"{url}/b")).body == b"/b"
             with pytest.raises(TransportError):  # on a kept-alive connection, answered in part
-                await transport.request("GET", f"{url}/partial")
-            assert sum(line.startswith(b"GET /partial ") for _, line, _ in server.requests) == 1
+                await transport.request("POST", f"{url}/partial", json={})
+            assert sum(line.startswith(b"POST /partial ") for _, line, _ in server.requests) == 1
 
     asyncio.run(go())
 
 
-def test_what_the_bare_client_does_not_speak_goes_through_aiohttp_and_a_connection_is_not_trusted_long(
-    monkeypatch,
-):
-    """A second answer to one request closes the connection (it would be the next request's answer); a
-    connection idle past MAX_IDLE_S is not reused (servers close idle ones); a target or header the
-    bare client would send unescaped or doubled goes through aiohttp (the server sees one Host and
-    an escaped target); another event loop is the caller's bug, said at once. Breaks tried: no
-    on_message_begin check -> /c answered "one", fails; no idle check -> one connection, fails."""
-    from inference import http11
+def test_a_target_or_header_is_sent_escaped_and_once_and_another_event_loop_is_refused():
+    """A target that needs escaping is escaped, a caller's Host is the one Host sent, a host name that
+    cannot be one is no connection, and another event loop is the caller's bug, said at once."""
 
     async def go():
         async with _scripted() as (server, url, transport):
-            assert (await transport.request("GET", f"{url}/twice")).body == b"one"
-            assert (await transport.request("GET", f"{url}/c")).body == b"/c"
-            assert server.connections == 2
-            monkeypatch.setattr(http11, "MAX_IDLE_S", 0.0)
-            assert (await transport.request("GET", f"{url}/d")).body == b"/d"
-            assert server.connections == 3
-            monkeypatch.undo()
             assert (await transport.request("GET", f"{url}/p%zz", headers={"Host": "env.internal"})).status == 200
             assert server.requests[-1][1] == b"GET /p%25zz HTTP/1.1"
             assert server.heads[-1].lower().count(b"\r\nhost:") == 1 and b"Host: env.internal" in server.heads[-1]
@@ -530,7 +498,7 @@ def test_what_the_bare_client_does_not_speak_goes_through_aiohttp_and_a_connecti
     asyncio.run(go())
 
     first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
-    transport = Http11Transport(timeout_s=5.0)
+    transport = AiohttpTransport(timeout_s=5.0)
     try:
         server = _ScriptedServer()
         url = first.run_until_complete(server.start())
@@ -545,40 +513,14 @@ def test_what_the_bare_client_does_not_speak_goes_through_aiohttp_and_a_connecti
         second.close()
 
 
-def test_deadlines_hold_after_the_deadline_check_was_cancelled_before_it_ran():
-    """Whoever cancels every task (a shutdown helper, a fixture) may cancel the deadline check before
-    it ever ran, so that its own cleanup never did: the next request starts another, and still times
-    out. Break tried: a check started only when none is set -> the request waits, fails."""
-
-    async def go():
-        server = _ScriptedServer()
-        url = await server.start()
-        transport = Http11Transport(timeout_s=5.0)
-        try:
-            transport._sweeper = asyncio.ensure_future(asyncio.sleep(1))
-            transport._sweeper.cancel()  # cancelled before it ran: done, never cleared
-            await asyncio.wait([transport._sweeper])
-            with pytest.raises(TransportTimeout):
-                await asyncio.wait_for(transport.request("GET", f"{url}/slow", timeout=0.2), 5)
-        finally:
-            await transport.aclose()
-            server.server.close()
-
-    asyncio.run(go())
-
-
-def test_a_request_cancelled_or_timed_out_closes_its_connection_and_aclose_ends_what_is_in_flight():
+def test_a_request_cancelled_or_timed_out_closes_its_connection():
     """A request that ends before its answer leaves a connection whose next bytes are that answer:
-    it is closed (the server sees the EOF), never reused. aclose() ends a request in flight with
-    TransportError and closes its connection. Breaks tried: the connection kept on cancel (no
-    abort) -> no EOF seen, fails; aclose not closing live connections -> the request waits, fails;
-    the deadline check failing nothing -> the timed-out request waits, fails; the check never
-    stopping -> it is still running once nothing is in flight, fails."""
+    it is closed (the server sees the EOF), never reused."""
 
     async def go():
         server = _ScriptedServer()
         url = await server.start()
-        transport = Http11Transport(timeout_s=5.0)
+        transport = AiohttpTransport(timeout_s=5.0)
         try:
             assert (await transport.request("GET", f"{url}/a")).body == b"/a"
             await server.got.get()
@@ -595,116 +537,9 @@ def test_a_request_cancelled_or_timed_out_closes_its_connection_and_aclose_ends_
                 await transport.request("GET", f"{url}/slow", timeout=0.2)
             assert await asyncio.wait_for(server.eof_seen.get(), 5) == 2
             assert (await transport.request("GET", f"{url}/c")).body == b"/c"
-            # Nothing in flight: the deadline check stops (a pass that found nothing waiting).
-            sweeper = transport._sweeper
-            assert sweeper is not None
-            await asyncio.wait_for(asyncio.wait([sweeper]), 5)
-            assert transport._sweeper is None
-            # Begun, ended by the close, cut off by aclose: no answer, not the part that had come.
-            in_flight = asyncio.ensure_future(transport.request("GET", f"{url}/unframed-slow"))
-            while (await server.got.get()) != b"/unframed-slow":
-                pass
-            await asyncio.wait_for(_headers_read(transport), 5)
-            await transport.aclose()
-            with pytest.raises(TransportError):
-                await asyncio.wait_for(in_flight, 5)
-            assert await asyncio.wait_for(server.eof_seen.get(), 5) == 3  # its connection closed too
         finally:
             await transport.aclose()
             server.release.set()
             server.server.close()
 
     asyncio.run(go())
-
-
-def test_a_connection_the_server_closed_in_the_same_loop_pass_is_not_handed_to_a_post():
-    """An env closes an idle connection just as another answer wakes the service: both are read in one
-    loop pass, before connection_lost runs. The POST that follows must go on a new connection, not
-    be written into the closed one and fail unsent (it is not retried). The client's loop is held
-    until the model has answered and then the env has closed (servers in a thread of their own):
-    the answer is read first, so the POST would run before connection_lost. The env's own log of
-    requests is the oracle. Break tried: no eof_received and no is_closing check -> the POST fails
-    with no request seen (3 runs of 3)."""
-    import threading
-
-    seen: list[bytes] = []
-    ports: list[int] = []
-    ready, stop = threading.Event(), threading.Event()
-    close_env, env_closed, answer_model, model_answered = (threading.Event() for _ in range(4))
-
-    async def wait(event: threading.Event) -> None:
-        assert await asyncio.get_running_loop().run_in_executor(None, event.wait, 10)
-
-    async def env(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            while True:
-                path = (await reader.readuntil(b"\r\n\r\n")).split()[1]
-                await reader.readexactly(2 if path == b"/step" else 0)
-                seen.append(path)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-                await writer.drain()
-                if path == b"/health":  # then its idle close, when told
-                    await wait(close_env)
-                    writer.close()
-                    await writer.wait_closed()
-                    env_closed.set()
-                    return
-        writer.close()
-
-    async def model(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                if head.startswith(b"POST"):
-                    await reader.readexactly(2)
-                    await wait(answer_model)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-                await writer.drain()
-                if head.startswith(b"POST"):
-                    model_answered.set()
-        writer.close()
-
-    def serve() -> None:
-        async def main() -> None:
-            servers = [await asyncio.start_server(handler, "127.0.0.1", 0) for handler in (env, model)]
-            ports.extend(s.sockets[0].getsockname()[1] for s in servers)
-            ready.set()
-            await wait(stop)
-
-        asyncio.run(main())
-
-    def hold_the_loop() -> None:  # the model answers, then the env closes, while the loop is held
-        answer_model.set()
-        assert model_answered.wait(10)
-        close_env.set()
-        assert env_closed.wait(10)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    env_url, model_url = (f"http://127.0.0.1:{port}" for port in ports)
-
-    async def go() -> int:
-        transport = Http11Transport(timeout_s=5.0)
-        try:
-            await transport.request("GET", f"{env_url}/health")
-            await transport.request("GET", f"{model_url}/v1/models")  # kept alive: the POST below is written at once
-            asyncio.get_running_loop().call_soon(hold_the_loop)  # runs once the POST is written
-            await transport.request("POST", f"{model_url}/v1/completions", json={})
-            return (await transport.request("POST", f"{env_url}/step", json={})).status
-        finally:
-            await transport.aclose()
-
-    try:
-        assert asyncio.run(go()) == 200
-        assert seen == [b"/health", b"/step"]
-    finally:
-        stop.set()
-        thread.join(10)
-
-
-async def _headers_read(transport: Http11Transport) -> None:
-    """Until the client has read an answer's headers: the server cannot see that, so the client's own
-    state says it (a loop pass at a time)."""
-    while not any(connection.headers_done for connection in transport._live):  # noqa: ASYNC110 - no event to wait on
-        await asyncio.sleep(0)

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
-from inference.transport import plain_json
+from inference.json_body import plain_json
 
 from ..protocol import GroupResult
 

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from inference.answers import structured_output
 from inference.errors import BadInferenceResponse, ContextOverflow, InferenceError
-from inference.transport import JsonList
+from inference.json_body import JsonList
 
 from ..protocol import (
     GRADED_STATUSES,

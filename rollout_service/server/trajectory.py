@@ -18,8 +18,8 @@ from typing import Literal, cast
 
 from inference.answers import TokenizeAnswer
 from inference.errors import BadInferenceResponse, InferenceError, InferenceRejected
+from inference.json_body import JsonList, dumps
 from inference.replicas import ReplicaPool
-from inference.transport import JsonList, dumps
 
 from ..protocol import CutReason, Segment, Turn, TurnSpan
 
