@@ -239,8 +239,10 @@ class AiohttpTransport(HttpTransport):
     async def _read(self, response: aiohttp.ClientResponse) -> bytes:
         """The body, refused as soon as it outgrows the cap (an announced length over it at once)."""
         limit = self.max_answer_bytes
-        if response.content_length is not None and response.content_length > limit:
-            raise AnswerTooLarge(limit)
+        if response.content_length is not None:
+            if response.content_length > limit:
+                raise AnswerTooLarge(limit)
+            return await response.read()  # reads what the length announced and no more
         body = bytearray()
         async for chunk in response.content.iter_any():
             body += chunk
