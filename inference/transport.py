@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json as std_json
 import logging
+import socket
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -227,6 +228,13 @@ class AiohttpTransport(HttpTransport):
                 return HttpAnswer(response.status, await self._read(response))
         except TimeoutError as exc:
             raise TransportTimeout(f"{type(exc).__name__}: no answer in time") from None
+        except aiohttp.InvalidUrlClientError as exc:
+            # yarl takes only the canonical dotted form of an IPv4 address: "127.1" is 127.0.0.1, as
+            # the system's resolver reads it. Anything else it refuses is no connection.
+            canonical = _canonical_ipv4(url)
+            if canonical is None:
+                raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
+            return await self._send(method, canonical, body, headers, deadline_s)
         except (aiohttp.ClientConnectorError, ValueError) as exc:  # ValueError: a host name that cannot be one
             raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
         except aiohttp.ClientError as exc:
@@ -255,6 +263,21 @@ class AiohttpTransport(HttpTransport):
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
+
+
+def _canonical_ipv4(url: str) -> str | None:
+    """`url` with its host written as the canonical dotted IPv4 address it stands for (inet_aton's
+    reading, as the resolver's: "127.1", "2130706433"); None where it is no such host or is already."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        canonical = socket.inet_ntoa(socket.inet_aton(host))
+    except OSError:
+        return None
+    if canonical == host:
+        return None
+    netloc = canonical if parts.port is None else f"{canonical}:{parts.port}"
+    return parts._replace(netloc=netloc).geturl()
 
 
 def make_transport(
