@@ -21,10 +21,11 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def test_the_trainer_side_imports_nothing_of_the_server():
     code = (
-        "import sys, rollout_service.trainer, rollout_service.trainer.export, rollout_service.runs; "
+        "import sys, rollout_service.trainer, rollout_service.trainer.export, rollout_service.trainer.trl, "
+        "rollout_service.runs; "
         "heavy = [m for m in sys.modules if m.startswith(('rollout_service.server', 'rollout_service.tools', "
         "'rollout_service.cluster', 'fastapi', 'uvicorn', 'starlette', 'vllm', 'torch', 'prometheus_client', 'ray', "
-        "'orjson', 'aiohttp', 'httptools'))]; "
+        "'orjson', 'aiohttp', 'httptools', 'trl', 'datasets', 'transformers', 'peft'))]; "
         "print(heavy)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
