@@ -192,8 +192,13 @@ class ServiceRollout:
             )
         version = f"{self.run}-step{step}"
         folder = (self.adapter_dir / version).resolve()
-        model.save_pretrained(str(folder), selected_adapters=[model.active_adapter])
-        result = self.client.update_policy(version, lora=str(folder))
+        result = None
+        # Under accelerate every process holds the same adapter: one saves and serves it, and none
+        # asks for groups before it is served.
+        if trainer.accelerator.is_main_process:
+            model.save_pretrained(str(folder), selected_adapters=[model.active_adapter])
+            result = self.client.update_policy(version, lora=str(folder))
+        trainer.accelerator.wait_for_everyone()
         self.pushed_step, self.version = step, version
         self.pushes.append({"step": step, "version": version, "folder": str(folder), "result": result})
 
