@@ -65,6 +65,7 @@ def adapters_out(vllm_url, tmp_path):
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.early  # ~6 min on 2 loaded cores: started late, the other workers would wait for it
 def test_grpo_trainer_trains_two_steps_on_the_service(vllm_url, start_refenv, start_service, tmp_path, adapters_out):
     import torch
     from peft import LoraConfig
