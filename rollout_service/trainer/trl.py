@@ -63,7 +63,8 @@ class _Client(Protocol):
 def task_dataset(client: RolloutClient, *, key: Literal["task_id", "slug"] = "task_id", side: str = "train") -> Any:
     """A `datasets.Dataset` with one row per task the service serves on `side` (its `prompt` is the
     task's id or slug): tasks from `GET /tasks`, kept when one of their envs is a `side` env in
-    `GET /envs`. An env that declares no side serves both."""
+    `GET /envs` (an admin-plane call: the client needs the admin key where the service has keys).
+    An env that declares no side serves both."""
     from datasets import Dataset
 
     sided = {e.url for e in client.envs() if e.side in (None, side)}
