@@ -150,6 +150,11 @@ POLICY_FAILURE_KINDS = frozenset({"max_turns", "deadline", "context_overflow"})
 Attribution = Literal["policy", "infrastructure"]
 
 
+# A stop string is sent with every turn of every attempt and kept in the run log: an honest one is a few
+# characters (an end tag), so a cap far above that costs nobody and bounds what one request multiplies.
+StopString = Annotated[str, Field(min_length=1, max_length=200)]
+
+
 class SamplingParams(BaseModel):
     """Sampling as sent to the model server."""
 
@@ -158,7 +163,7 @@ class SamplingParams(BaseModel):
     top_p: WireFloat = Field(1.0, gt=0.0, le=1.0)
     max_tokens: WireInt = Field(256, ge=1, le=32768)
     seed: WireIntOrNull = Field(None, ge=0, le=2**31 - 1)
-    stop: list[str] | None = Field(None, max_length=8)
+    stop: list[StopString] | None = Field(None, max_length=8, description="at most 8, each at most 200 characters")
 
 
 class GroupRequest(BaseModel):

@@ -7,6 +7,7 @@ import asyncio
 import os
 import stat
 
+import httpx
 import pytest
 from helpers import cli
 
@@ -79,3 +80,59 @@ def test_serve_refuses_a_run_log_that_is_a_symlink(tmp_path):
     )  # fmt: skip
     assert done.returncode == 2 and "symlink" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert victim.read_text() == "precious"
+
+
+# -- every free string of a request is capped (item 12) ---------------------------------------------
+
+
+@pytest.fixture
+def scripted_service(start_refenv, start_service, start_scripted_model):
+    """A real service and refenv; the model is the scripted stand-in: what is tested is what the
+    service accepts, which is decided before any model is asked."""
+    env = start_refenv("--pool", "2")
+    model = start_scripted_model("answer")
+    return start_service([env.url], vllm=model.url, model="scripted"), env
+
+
+@pytest.mark.parametrize(
+    ("sampling", "where", "words"),
+    [
+        ({"stop": ["x" * 3_000_000]}, "sampling.stop.0", "at most 200 characters"),
+        ({"stop": ["</answer>", "y" * 201]}, "sampling.stop.1", "at most 200 characters"),
+        ({"stop": [""]}, "sampling.stop.0", "at least 1 character"),
+        ({"stop": ["s"] * 9}, "sampling.stop", "at most 8 items"),
+    ],
+)
+def test_stop_strings_are_capped_in_length_and_count(scripted_service, sampling, where, words):
+    """A 3 MB stop string was accepted, sent with every turn and logged. Now: 422, naming the entry."""
+    service, env = scripted_service
+    r = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 1, "sampling": sampling}, timeout=60)
+    assert r.status_code == 422, r.text[:300]
+    body = r.json()
+    assert body["error"] and where in body["message"] and words in body["message"], body["message"][:300]
+    assert len(r.content) < 2000  # the refusal does not echo the string back
+    assert env.health()["episodes"]["started"] == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("task_id", "t" * 201), ("slug", "s" * 301), ("model", "m" * 201), ("group_id", "g" * 201)],
+)
+def test_every_other_free_string_of_a_group_is_capped(scripted_service, field, value):
+    service, env = scripted_service
+    body = {"task_id": "t001", "n": 1, field: value}
+    if field == "slug":
+        del body["task_id"]
+    r = httpx.post(f"{service.url}/groups", json=body, timeout=60)
+    assert r.status_code == 422 and field in r.json()["message"] and "at most" in r.json()["message"], r.text[:300]
+
+
+def test_a_group_with_an_honest_stop_string_runs(scripted_service):
+    service, env = scripted_service
+    r = httpx.post(
+        f"{service.url}/groups",
+        json={"task_id": "t001", "n": 1, "sampling": {"stop": ["</answer>", "z" * 200]}},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["counts"]["scheduled"] == 1
