@@ -4,8 +4,11 @@ was seen failing on the code that had the hole."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -136,3 +139,83 @@ def test_a_group_with_an_honest_stop_string_runs(scripted_service):
     )
     assert r.status_code == 200, r.text[:300]
     assert r.json()["counts"]["scheduled"] == 1
+
+
+# -- refenv: episodes only their driver can reach (item 5) -------------------------------------------
+
+TOKEN = "t0ken-for-the-test-" + "x" * 16
+
+
+def test_a_third_party_cannot_guess_another_drivers_episode(start_refenv):
+    """Ids were `step-N`, with N in /health: a stranger's POST /step or DELETE drove or ended another
+    driver's episode. Every id a stranger can derive from what refenv publishes is now unknown (410)."""
+    env = start_refenv("--pool", "3")
+    ids = [httpx.post(f"{env.url}/step/reset", json={}, timeout=30).json()["episode_id"] for _ in range(3)]
+    health = env.health()
+    assert health["episodes"]["started"] == 3
+    for n in range(0, health["episodes"]["started"] + 10):
+        for guess in (f"step-{n}", str(n)):
+            r = httpx.post(f"{env.url}/step", json={"episode_id": guess, "completion": "{}"}, timeout=30)
+            assert r.status_code == 410, (guess, r.status_code, r.text[:200])
+            assert httpx.delete(f"{env.url}/step/{guess}", timeout=30).status_code == 410
+    assert env.health()["episodes"]["abandoned"] == 0 and env.health()["live_episodes"] == 3
+    published = json.dumps(env.health())
+    assert not any(eid.removeprefix("step-") in published for eid in ids), published
+    # Not a counter in disguise: the ids share no prefix beyond the contract's `step-`, and are long.
+    suffixes = [eid.removeprefix("step-") for eid in ids]
+    assert all(eid.startswith("step-") and len(s) >= 20 for eid, s in zip(ids, suffixes, strict=True)), ids
+    assert len({s[:4] for s in suffixes}) == 3, ids
+    for eid in ids:
+        assert httpx.delete(f"{env.url}/step/{eid}", timeout=30).status_code == 200
+
+
+def test_refenv_with_a_token_answers_only_its_holder(start_refenv):
+    env = start_refenv("--pool", "1", "--token", TOKEN)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    wrong = {"Authorization": "Bearer " + "y" * len(TOKEN)}
+    # /health stays open (an orchestrator's probe), and shows counts, never ids.
+    assert httpx.get(f"{env.url}/health", timeout=10).status_code == 200
+    for headers in ({}, wrong, {"Authorization": TOKEN}):
+        for method, path, body in (
+            ("GET", "/tasks", None),
+            ("POST", "/step/reset", {}),
+            ("POST", "/step", {"episode_id": "step-1", "completion": "{}"}),
+            ("DELETE", "/step/step-1", None),
+        ):
+            r = httpx.request(method, f"{env.url}{path}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"] == "unauthorized", (method, path, r.text[:200])
+    assert env.health()["episodes"]["started"] == 0
+    reset = httpx.post(f"{env.url}/step/reset", json={}, headers=auth, timeout=30)
+    assert reset.status_code == 200, reset.text[:200]
+    eid = reset.json()["episode_id"]
+    assert httpx.post(f"{env.url}/step", json={"episode_id": eid, "completion": "{}"}, timeout=30).status_code == 401
+    assert httpx.delete(f"{env.url}/step/{eid}", headers=wrong, timeout=30).status_code == 401
+    assert httpx.delete(f"{env.url}/step/{eid}", headers=auth, timeout=30).status_code == 200
+    assert eid not in httpx.get(f"{env.url}/health", timeout=10).text
+
+
+def test_refenv_refuses_a_short_token(start_refenv):
+    done = subprocess.run(
+        [sys.executable, "-m", "refenv.cli", "serve", "--step", "--token", "short", "--listen", "127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "token" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_service_sends_the_envs_token(start_refenv, start_service, start_scripted_model):
+    """Real service, real refenv with --token, scripted model: groups score only when the service
+    holds the env's token (--env-token-env); without it, the service does not start on that env."""
+    env = start_refenv("--pool", "2", "--token", TOKEN)
+    model = start_scripted_model("answer")
+    service = start_service(
+        [env.url], "--env-token-env", "TEST_ENV_TOKEN", env={"TEST_ENV_TOKEN": TOKEN}, vllm=model.url, model="scripted"
+    )
+    group = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 2}, timeout=120).json()
+    assert group["counts"]["scored"] == 2, group["counts"]
+    health = env.health()
+    assert health["episodes"]["finished"] == 2 and health["live_episodes"] == 0, health["episodes"]
+    refused = start_service([env.url], "--startup-timeout", "5", wait=False, vllm=model.url, model="scripted")
+    assert refused.proc.proc.wait(120) != 0
+    assert "401" in refused.proc.log_path.read_text() or "unauthorized" in refused.proc.log_path.read_text()

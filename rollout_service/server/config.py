@@ -97,6 +97,9 @@ class ServiceConfig(BaseModel):
         "backend's host is resolved and every address it resolves to must be allowed (the hosts of the "
         "backends given at start always are)",
     )
+    env_token_env: Annotated[str | None, Flag(metavar="VAR")] = Field(
+        None, description="send `Authorization: Bearer $VAR` to every env (refenv --token; compose and ray up set it)"
+    )
     max_requests_per_second: Annotated[float | None, Flag(metavar="R")] = Field(
         None, gt=0, description="cap on chat requests per second to each model route"
     )
@@ -153,6 +156,10 @@ class ServiceConfig(BaseModel):
     log_format: Annotated[LogFormat, Flag(metavar="FORMAT")] = Field(
         "text", description="text (a line each, with the time) or json (one object a line, for log collectors)"
     )
+
+    def env_token(self) -> str | None:
+        """The token sent to the envs, or None (checked set at start: `create_app`)."""
+        return (os.environ.get(self.env_token_env) or None) if self.env_token_env else None
 
     @field_validator("model_endpoint", mode="before")
     @classmethod

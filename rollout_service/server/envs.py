@@ -38,10 +38,13 @@ class Discovered:
 
 
 class EnvRegistry:
-    def __init__(self, lifecycle: Lifecycle, metrics: Metrics, allowed: AllowedBackends) -> None:
+    def __init__(
+        self, lifecycle: Lifecycle, metrics: Metrics, allowed: AllowedBackends, env_token: str | None = None
+    ) -> None:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.allowed = allowed  # what POST /envs may reach
+        self.env_token = env_token  # sent to every env added at runtime too (refenv --token)
         self.envs: dict[str, EnvHandle] = {}
         self.targets: dict[str, TaskTarget] = {}
         self.by_slug: dict[str, str] = {}
@@ -131,7 +134,7 @@ class EnvRegistry:
             state = "is draining: remove it first" if draining else "is scheduled already (or being added)"
             raise Conflict("env_present", f"env {url} {state}")
         self.adding.add(url)
-        client = EnvClient(url)
+        client = EnvClient(url, token=self.env_token)
         try:
             try:
                 found = await asyncio.wait_for(ask_until_ready(functools.partial(ask_env, url, client)), body.timeout_s)
