@@ -16,7 +16,7 @@ import json
 
 import httpx
 import pytest
-from fake_vllm import BASE, checkpoint, made_by, make_manager
+from fake_vllm import BASE, adapter, checkpoint, made_by, make_manager
 
 from inference.client import ChatClient, InferenceUnreachable
 from rollout_service.protocol import EnvContract, GroupRequest, PolicyUpdate, PolicyUpdateResult
@@ -204,15 +204,15 @@ def test_r4_a_replica_that_could_not_be_resumed_stays_out_of_routing_until_resum
     run(go())
 
 
-def test_r5_a_lora_update_sent_during_a_trainer_pause_resumes_the_replicas():
+def test_r5_a_lora_update_sent_during_a_trainer_pause_resumes_the_replicas(tmp_path):
     async def go():
         fleet, chat, pm = await make_manager(2)
         await pm.pause()
         assert fleet.paused == [True, True]
-        await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+        await pm.update(PolicyUpdate(version="v1", lora={"path": adapter(tmp_path, "v1")}))
         assert fleet.paused == [False, False]
         label, by = await turn(chat, pm, "g")  # its lease does not block
-        assert (label, by) == ("v1", "ckpt0+/ad/v1")
+        assert (label, by) == ("v1", f"ckpt0+{tmp_path}/v1")
 
     run(go())
 
@@ -316,19 +316,19 @@ def test_r10_a_try_timing_out_on_a_paused_policy_is_not_the_policys_failure():
     run(go())
 
 
-def test_r11_a_group_returns_no_attempt_behind_the_version_current_when_it_returns():
+def test_r11_a_group_returns_no_attempt_behind_the_version_current_when_it_returns(tmp_path):
     async def go():
         fleet, chat, pm = await make_manager(2)
 
         async def update_before_second_reset(k: int) -> None:
             if k == 2:  # attempt 0 has finished on base; attempt 1 starts after the update
-                await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+                await pm.update(PolicyUpdate(version="v1", lora={"path": adapter(tmp_path, "v1")}))
 
         runner, target, policy = make_runner(pm, chat, StandInEnv(turns=1, on_reset=update_before_second_reset))
         request = GroupRequest(task_id="t001", n=2, max_staleness=0, sampling={"temperature": 1.0})
         result = await runner.run_group(request, target, policy)
         generated = [made_by(t.completion) for a in result.attempts for t in a.turns]
-        assert generated and all(g == "ckpt0+/ad/v1" for g in generated), generated
+        assert generated and all(g == f"ckpt0+{tmp_path}/v1" for g in generated), generated
         assert all(a.status == "scored" for a in result.attempts)
         assert sorted(a.tries for a in result.attempts) == [1, 2]
         rerun = next(a for a in result.attempts if a.tries == 2)
@@ -339,7 +339,7 @@ def test_r11_a_group_returns_no_attempt_behind_the_version_current_when_it_retur
     run(go())
 
 
-def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too():
+def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too(tmp_path):
     async def go():
         fleet, chat, pm = await make_manager(2)
         chats = 0
@@ -349,7 +349,7 @@ def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too(
             chats += 1
             if chats != 2:
                 return None
-            await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+            await pm.update(PolicyUpdate(version="v1", lora={"path": adapter(tmp_path, "v1")}))
             return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 2048"}})
 
         fleet.on_chat = overflow_after_an_update
@@ -357,7 +357,7 @@ def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too(
         result = await runner.run_group(GroupRequest(task_id="t001", n=1, max_staleness=0, retries=0), target, policy)
         attempt = result.attempts[0]
         generated = [made_by(t.completion) for t in attempt.turns]
-        assert generated and all(g == "ckpt0+/ad/v1" for g in generated), (attempt.status, generated)
+        assert generated and all(g == f"ckpt0+{tmp_path}/v1" for g in generated), (attempt.status, generated)
         assert attempt.status == "scored" and attempt.tries == 2
         assert [f.kind for f in attempt.earlier_failures] == ["stale"]
 
@@ -376,11 +376,11 @@ def test_r14_a_lora_update_before_a_restore_puts_the_adapter_on_the_right_full_w
         r1, ep1 = fleet[1], chat.endpoints[1]
         r1.restart()
         await pm.reconcile(ep1, await chat.list_models(ep1))  # the restore is spawned, not yet holding the lock
-        await pm.update(PolicyUpdate(version="a2", lora={"path": "/adapters/a2"}))
+        await pm.update(PolicyUpdate(version="a2", lora={"path": adapter(tmp_path, "a2")}))
         assert await until(lambda: not pm._restoring and ep1.excluded is None)
         before = len(r1.chats())
         for k in range(8):
-            assert await turn(chat, pm, f"g{k}") == ("a2", f"{v1}+/adapters/a2")
+            assert await turn(chat, pm, f"g{k}") == ("a2", f"{v1}+{tmp_path}/a2")
         assert len(r1.chats()) > before, "r1 was never routed: the test did not look at it"
 
     run(go())
@@ -427,9 +427,9 @@ def test_r16_a_lora_update_never_routes_its_adapter_over_other_full_weights(tmp_
             r1.reload_fail = fault
             await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))  # r0 takes it, r1 does not
             r1.reload_fail, beneath = None, v2
-        await pm.update(PolicyUpdate(version="a3", lora={"path": "/adapters/a3"}))
+        await pm.update(PolicyUpdate(version="a3", lora={"path": adapter(tmp_path, "a3")}))
         for k in range(8):
-            assert await turn(chat, pm, f"g{k}") == ("a3", f"{beneath}+/adapters/a3")
+            assert await turn(chat, pm, f"g{k}") == ("a3", f"{beneath}+{tmp_path}/a3")
 
     run(go())
 
@@ -467,15 +467,15 @@ def test_r15_a_replica_found_restarted_after_a_stop_gets_no_restore(tmp_path, st
     run(go())
 
 
-def test_r15_a_turn_ending_after_close_starts_no_adapter_unload():
+def test_r15_a_turn_ending_after_close_starts_no_adapter_unload(tmp_path):
     """A turn still on an old adapter ends after close: its adapter is left loaded (the replicas outlive the
     service), rather than an unload task started that nothing will wait for."""
 
     async def go():
         _, _, pm = await make_manager(1)
-        await pm.update(PolicyUpdate(version="a1", lora={"path": "/adapters/a1"}))
+        await pm.update(PolicyUpdate(version="a1", lora={"path": adapter(tmp_path, "a1")}))
         lease = await pm.lease()
-        await pm.update(PolicyUpdate(version="a2", lora={"path": "/adapters/a2"}))  # a1 still in flight
+        await pm.update(PolicyUpdate(version="a2", lora={"path": adapter(tmp_path, "a2")}))  # a1 still in flight
         await pm.close()
         pm.release(lease)  # the last a1 turn: an unload of a1 would be spawned here
         assert not pm._tasks

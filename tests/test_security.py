@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -219,3 +220,94 @@ def test_the_service_sends_the_envs_token(start_refenv, start_service, start_scr
     refused = start_service([env.url], "--startup-timeout", "5", wait=False, vllm=model.url, model="scripted")
     assert refused.proc.proc.wait(120) != 0
     assert "401" in refused.proc.log_path.read_text() or "unauthorized" in refused.proc.log_path.read_text()
+
+
+# -- checkpoint paths: checked, bounded, and telling nothing (item 8) -------------------------------
+
+REFUSED_UNDER_ROOT = "is not a readable checkpoint under the checkpoint root"
+
+
+def lora_folder(folder: Path) -> str:
+    """A PEFT adapter's files (the scripted replicas load nothing from them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (folder / "adapter_model.safetensors").write_text("")
+    return str(folder)
+
+
+def post_policy(service, **body) -> httpx.Response:
+    return httpx.post(f"{service.url}/policy", json=body, timeout=60)
+
+
+def test_a_lora_path_is_checked_like_a_checkpoint(start_refenv, start_service, start_scripted_model, tmp_path):
+    """`"../../../../../etc"` went to vLLM as is (200). Now every LoRA folder must be an absolute path to
+    a readable folder with adapter_config.json and safetensors, as a full checkpoint must; a refusal
+    reaches no replica (the scripted replica's own count of loads is the oracle)."""
+    env = start_refenv("--pool", "2")
+    model = start_scripted_model("answer")
+    service = start_service([env.url], vllm=model.url, model="scripted")
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "adapter_config.json").write_text("{}")
+    for path in ("../../../../../etc", "/etc", str(tmp_path / "missing"), str(tmp_path / "config-only")):
+        r = post_policy(service, version="v-bad", lora={"path": path})
+        assert r.status_code == 422 and r.json()["error"] == "checkpoint_refused", (path, r.text)
+        assert "is not a readable checkpoint" in r.json()["message"], r.text
+    assert httpx.get(f"{model.url}/stats", timeout=10).json()["loads_started"] == 0
+    good = post_policy(service, version="v1", lora={"path": lora_folder(tmp_path / "v1")})
+    assert good.status_code == 200 and policy_version(service) == "v1", good.text
+
+
+def policy_version(service) -> str:
+    return httpx.get(f"{service.url}/policy", timeout=10).json()["version"]
+
+
+def test_the_checkpoint_root_bounds_both_kinds_after_resolving_symlinks(
+    start_refenv, start_service, start_scripted_model, tmp_path
+):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    env = start_refenv("--pool", "2")
+    model = start_scripted_model("answer")
+    service = start_service([env.url], "--checkpoint-root", str(root), vllm=model.url, model="scripted")
+    escaped = lora_folder(outside / "adapter")
+    (root / "link").symlink_to(outside / "adapter")  # inside by name, outside once resolved
+    (root / "up").symlink_to(outside)
+    weights = outside / "ckpt"
+    weights.mkdir()
+    (weights / "config.json").write_text("{}")
+    (weights / "model.safetensors").write_text("")
+    refused = {
+        "lora outside": {"lora": {"path": escaped}},
+        "lora via a symlink": {"lora": {"path": str(root / "link")}},
+        "lora via .. in the path": {"lora": {"path": f"{root}/../outside/adapter"}},
+        "lora via a linked parent": {"lora": {"path": str(root / "up" / "adapter")}},
+        "weights outside": {"weights": {"path": str(weights)}},
+        "missing under the root": {"lora": {"path": str(root / "missing")}},
+        "missing outside": {"lora": {"path": str(outside / "missing")}},
+    }
+    messages = {}
+    for case, source in refused.items():
+        r = post_policy(service, version="v-bad", **source)
+        assert r.status_code == 422 and r.json()["error"] == "checkpoint_refused", (case, r.text)
+        message = r.json()["message"]
+        assert REFUSED_UNDER_ROOT in message, (case, message)
+        if "lora" in source:
+            messages[case] = message.split(REFUSED_UNDER_ROOT, 1)[1]
+    assert len(set(messages.values())) == 1, messages  # existing or not, inside or out: the same words
+    # A file of an adapter under the root that links out is outside too.
+    leaky = Path(lora_folder(root / "leaky"))
+    (leaky / "adapter_model.safetensors").unlink()
+    (leaky / "adapter_model.safetensors").symlink_to(Path(escaped) / "adapter_model.safetensors")
+    r = post_policy(service, version="v-bad", lora={"path": str(leaky)})
+    assert r.status_code == 422 and REFUSED_UNDER_ROOT in r.json()["message"], r.text
+    assert httpx.get(f"{model.url}/stats", timeout=10).json()["loads_started"] == 0
+    inside = post_policy(service, version="v1", lora={"path": lora_folder(root / "adapters" / "v1")})
+    assert inside.status_code == 200 and policy_version(service) == "v1", inside.text
+
+
+def test_serve_refuses_a_checkpoint_root_that_is_not_a_folder(tmp_path):
+    done = cli(
+        "serve", "--env", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9", "--model", "m",
+        "--checkpoint-root", str(tmp_path / "nowhere"),
+    )  # fmt: skip
+    assert done.returncode == 2 and "--checkpoint-root" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -138,6 +138,11 @@ class ServiceConfig(BaseModel):
         description='a named model a group may ask for with "model": NAME (a teacher on '
         "any OpenAI-compatible server); options api-key-env=VAR, model=SERVED, token-ids=false",
     )
+    checkpoint_root: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None,
+        description="POST /policy loads LoRA adapters and checkpoints only from folders under DIR (after "
+        "resolving symlinks); unset: any folder the service can read",
+    )
     runs_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
         None, description="append every finished group to DIR/<run-id>.jsonl"
     )
@@ -174,6 +179,13 @@ class ServiceConfig(BaseModel):
         names = [e.name for e in value]
         if len(set(names)) != len(names):
             raise ValueError("a name is given twice")
+        return value
+
+    @field_validator("checkpoint_root")
+    @classmethod
+    def _check_checkpoint_root(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isdir(value):
+            raise ValueError(f"{value!r} is not a folder")
         return value
 
     @field_validator("run_id")

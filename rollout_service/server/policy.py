@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -65,8 +66,16 @@ class TurnLease:
 class PolicyManager:
     """The current version, the replicas' state, and the updates (one at a time)."""
 
-    def __init__(self, client: ChatClient, base_model: str, weights: WeightsClient, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        client: ChatClient,
+        base_model: str,
+        weights: WeightsClient,
+        metrics: Metrics,
+        checkpoint_root: str | None = None,
+    ) -> None:
         self.client = client
+        self.checkpoint_root = checkpoint_root
         self.base_model = base_model
         self.weights = weights
         self.metrics = metrics
@@ -207,6 +216,7 @@ class PolicyManager:
             previous = self.current
             step = previous.step + 1
             if update.lora is not None:
+                await asyncio.to_thread(check_checkpoint, update.lora.path, "lora", self.checkpoint_root)
                 beneath = previous.weights if previous.kind == "lora" else previous
                 version = PolicyVersion(
                     update.version,
@@ -220,7 +230,7 @@ class PolicyManager:
                 if self.paused and any(o.ok for o in outcomes):
                     await self._resume(self._paused_urls)  # the trainer's pause ends with its update
             elif update.weights is not None:
-                await asyncio.to_thread(check_checkpoint, update.weights.path)
+                await asyncio.to_thread(check_checkpoint, update.weights.path, "weights", self.checkpoint_root)
                 version = PolicyVersion(update.version, step, "weights", self.base_model, update.weights.path)
                 outcomes = await self._reload_everywhere(version)
             else:
@@ -620,26 +630,49 @@ async def _failed_outcome(outcome: _Outcome) -> _Outcome:
     return outcome
 
 
-def check_checkpoint(path: str) -> None:
-    """Refuse a checkpoint folder vLLM could not load, before any replica is paused. vLLM 0.32
-    reloads in place, and a reload that fails (a missing folder, no weights in it) leaves the
-    replica broken until it restarts; so the folder must be visible to the service too (the same
-    machine or shared storage) and hold a config and safetensors weights."""
-    folder = Path(path)
+# What a folder must hold to be loaded: vLLM's full checkpoint, or a PEFT adapter.
+CHECKPOINT_CONFIG = {"weights": "config.json", "lora": "adapter_config.json"}
+
+
+def check_checkpoint(path: str, kind: Literal["weights", "lora"], root: str | None = None) -> None:
+    """Refuse a folder vLLM could not load, before any replica is paused. vLLM 0.32 reloads in place,
+    and a reload that fails (a missing folder, no weights in it) leaves the replica broken until it
+    restarts; so the folder must be visible to the service too (the same machine or shared storage)
+    and hold its config and safetensors weights. With `root` (--checkpoint-root), the folder and
+    every file read from it must be under it once symlinks are resolved.
+
+    One answer for every refusal: which folders exist on this host is none of the caller's business."""
+    if not _readable_checkpoint(path, CHECKPOINT_CONFIG[kind], root):
+        under = " under the checkpoint root" if root else ""
+        raise Invalid(
+            "checkpoint_refused",
+            f"{path[:200]!r} is not a readable checkpoint{under}: give the absolute path of a folder the service "
+            f"and the model servers both read, holding {CHECKPOINT_CONFIG[kind]} and *.safetensors weights",
+        )
+
+
+def _readable_checkpoint(path: str, config_name: str, root: str | None) -> bool:
     try:
-        found = folder.is_dir()
-    except (OSError, ValueError):  # a name the file system refuses (a NUL byte, too long)
-        found = False
-    if not found:
-        raise Invalid(
-            "checkpoint_not_found",
-            f"{path} is not a folder this service can read: full-weight updates need the checkpoint on "
-            "storage the service and the model servers share (a failed reload breaks a vLLM replica)",
-        )
-    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-        raise Invalid(
-            "checkpoint_incomplete", f"{path} holds no config.json and *.safetensors weights: not a checkpoint"
-        )
+        folder = Path(path)
+        if not folder.is_absolute():  # the model servers would resolve it against their own directory
+            return False
+        real = folder.resolve(strict=True)
+        bound = Path(root).resolve(strict=True) if root else None
+
+        def readable(target: Path, mode: int) -> bool:
+            resolved = target.resolve(strict=True)
+            inside = bound is None or resolved == bound or resolved.is_relative_to(bound)
+            return inside and os.access(resolved, mode)
+
+        if not real.is_dir() or not readable(real, os.R_OK | os.X_OK):
+            return False
+        config = real / config_name
+        if not config.is_file() or not readable(config, os.R_OK):
+            return False
+        weights = [f for f in real.glob("*.safetensors") if f.is_file()]
+        return bool(weights) and all(readable(f, os.R_OK) for f in weights)
+    except (OSError, ValueError, RuntimeError):  # missing, a loop of links, a name the file system refuses
+        return False
 
 
 def _describe(outcomes: list[_Outcome], verb: str) -> str:

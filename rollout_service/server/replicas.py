@@ -36,7 +36,11 @@ class ReplicaRegistry:
         self.allowed = allowed  # what POST /replicas may reach
         self.policy = ModelRoute(config.model, _chat_client(config.vllm, config))
         self.versions = PolicyManager(
-            self.policy.client, self.policy.request_model, WeightsClient(timeout_s=config.update_timeout), metrics
+            self.policy.client,
+            self.policy.request_model,
+            WeightsClient(timeout_s=config.update_timeout),
+            metrics,
+            config.checkpoint_root,
         )
         self.support: ModelRoute | None = None
         if config.support_model:
