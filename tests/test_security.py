@@ -6,15 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 from helpers import cli
 
+from rollout_service.cluster import actors
+from rollout_service.cluster.actors import default_logs_dir, private_folder
 from rollout_service.server.runlog import RunLog
 
 # -- run logs: private, and never written through a link (item 9) ----------------------------------
@@ -311,3 +315,67 @@ def test_serve_refuses_a_checkpoint_root_that_is_not_a_folder(tmp_path):
         "--checkpoint-root", str(tmp_path / "nowhere"),
     )  # fmt: skip
     assert done.returncode == 2 and "--checkpoint-root" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# -- Ray: pid files in a private folder, and only the recorded process is killed (item 11) -----------
+
+
+def test_the_default_ray_logs_folder_is_private_and_per_user(open_umask):
+    folder = private_folder(default_logs_dir())
+    assert str(os.geteuid()) in folder.name and folder.parent == Path(tempfile.gettempdir())
+    info = folder.lstat()
+    assert info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o700
+
+
+@pytest.mark.parametrize("planted", ["others may write", "a symlink", "owned by another user"])
+def test_a_ray_logs_folder_someone_else_could_write_is_refused(tmp_path, planted):
+    """The old default, /tmp/rollout-service-ray, was made with exist_ok and no check: whoever made it
+    first chose the pid files, and with them what a restarted piece kills."""
+    folder = tmp_path / "logs"
+    if planted == "others may write":
+        folder.mkdir()
+        folder.chmod(0o777)
+    elif planted == "a symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        folder.symlink_to(tmp_path / "elsewhere")
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("making a folder of another user needs root")
+        folder.mkdir(mode=0o700)
+        os.chown(folder, 65534, 65534)
+    with pytest.raises(PermissionError) as refused:
+        private_folder(folder)
+    assert "give logs_dir a folder of your own" in str(refused.value)
+
+
+@pytest.fixture
+def bystander():
+    """A process of this user that no piece started: what a forged pid file would name."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_pid_file_naming_another_process_kills_nothing(tmp_path, bystander):
+    """A pid file is trusted only as far as the process still is what it records: pid, start time
+    and command line. Forged ones (the bystander's pid with a piece's command line, or the old
+    'pid start-time' form that named any process) leave the bystander running."""
+    logs = private_folder(tmp_path / "logs")
+    pidfile = logs / "ns.env-0.pid"
+    started = actors._start_time(bystander.pid)
+    forged = [
+        json.dumps({"pid": bystander.pid, "started": started, "cmdline": [sys.executable, "-m", "refenv.cli"]}),
+        f"{bystander.pid} {started}",
+    ]
+    for text in forged:
+        pidfile.write_text(text)
+        actors._stop_leftover(pidfile)
+        assert not pidfile.exists()
+        # A SIGKILL lands within microseconds: still running a second later means none was sent.
+        with pytest.raises(subprocess.TimeoutExpired):
+            bystander.wait(timeout=1)
+    # What the actor itself recorded is still stopped: the feature the pid file is for.
+    actors._write_pidfile(pidfile, bystander.pid)
+    actors._stop_leftover(pidfile)
+    assert bystander.wait(30) == -signal.SIGKILL
