@@ -443,6 +443,20 @@ class PolicyUpdate(BaseModel):
         return self
 
 
+class PauseRequest(BaseModel):
+    """POST /policy/pause: how long the pause may hold the replicas (a lease; asking again renews it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    timeout_s: WireFloatOrNull = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="when it runs out without a POST /policy, the service resumes the replicas whose "
+        "/weight_info still shows the version from before the pause and keeps the others out of routing. "
+        "Default: the service's --pause-timeout; at most its --max-pause-timeout",
+    )
+
+
 class ReplicaUpdate(BaseModel):
     url: str
     ok: bool
@@ -473,7 +487,10 @@ class PolicyState(BaseModel):
     version: str
     kind: Literal["base", "lora", "weights", "pushed"]
     updates: int = Field(description="successful updates since the service started (staleness counts these)")
-    paused: bool = Field(description="held paused by POST /policy/pause until the next POST /policy")
+    paused: bool = Field(
+        description="held paused by POST /policy/pause until the next POST /policy, or until its lease runs out"
+    )
+    pause_expires_in: float | None = Field(None, description="seconds left of the pause's lease, while paused")
     served_model: str = Field(description="the model name turns are sent with (an adapter's own name for LoRA)")
     replicas: list[ReplicaState]
     recent_updates: list[PolicyUpdateResult]

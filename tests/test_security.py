@@ -379,3 +379,33 @@ def test_a_pid_file_naming_another_process_kills_nothing(tmp_path, bystander):
     actors._write_pidfile(pidfile, bystander.pid)
     actors._stop_leftover(pidfile)
     assert bystander.wait(30) == -signal.SIGKILL
+
+
+# -- the pause is a lease: its length is bounded (item 7; its expiry: test_policy_faults.py) ---------
+
+
+@pytest.mark.parametrize(
+    ("body", "error", "words"),
+    [
+        ({"timeout_s": 3601}, "pause_too_long", "--max-pause-timeout 3600"),
+        ({"timeout_s": 0}, None, "timeout_s"),
+        ({"timeout_s": "60"}, None, "timeout_s"),
+        ({"timeout_s": 60, "forever": True}, None, "forever"),
+    ],
+)
+def test_a_pause_asks_for_a_bounded_lease(scripted_service, body, error, words):
+    """Refused before any replica is paused (the scripted replica's log of calls is the oracle)."""
+    service, _ = scripted_service
+    r = httpx.post(f"{service.url}/policy/pause", json=body, timeout=60)
+    assert r.status_code == 422, r.text
+    assert (error is None or r.json()["error"] == error) and words in r.json()["message"], r.text
+    policy = httpx.get(f"{service.url}/policy", timeout=10).json()
+    assert policy["paused"] is False and policy["pause_expires_in"] is None, policy
+
+
+def test_serve_refuses_a_default_pause_over_its_maximum():
+    done = cli(
+        "serve", "--env", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9", "--model", "m",
+        "--pause-timeout", "100", "--max-pause-timeout", "50",
+    )  # fmt: skip
+    assert done.returncode == 2 and "--max-pause-timeout" in done.stderr and "Traceback" not in done.stderr

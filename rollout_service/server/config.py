@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..flags import Flag, ListenAddress
 from ..protocol import http_url
@@ -127,6 +127,12 @@ class ServiceConfig(BaseModel):
     update_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         600.0, gt=0, description="deadline of one replica's part of a policy update (loading, reloading)"
     )
+    pause_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        300.0, gt=0, description="lease of a POST /policy/pause that names no timeout_s"
+    )
+    max_pause_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        3600.0, gt=0, description="longest lease a POST /policy/pause may ask for (more: 422)"
+    )
     startup_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         300.0,
         gt=0,
@@ -180,6 +186,14 @@ class ServiceConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError("a name is given twice")
         return value
+
+    @model_validator(mode="after")
+    def _pause_within_its_maximum(self) -> ServiceConfig:
+        if self.pause_timeout > self.max_pause_timeout:
+            raise ValueError(
+                f"--pause-timeout {self.pause_timeout:g} is over --max-pause-timeout {self.max_pause_timeout:g}"
+            )
+        return self
 
     @field_validator("checkpoint_root")
     @classmethod

@@ -83,8 +83,10 @@ class PolicyManager:
         self._steps: dict[str, int] = {"base": 0}
         self.weights_epoch = 0  # bumped by every update that changes the base weights
         self.serving: dict[str, str | None] = {e.url: "base" for e in client.endpoints}
-        self.paused = False  # held by the trainer (POST /policy/pause) until its POST /policy
+        self.paused = False  # held by the trainer (POST /policy/pause) until its POST /policy or the lease ends
         self.paused_since: float | None = None
+        self._pause_deadline = 0.0  # monotonic: when the trainer's pause lease runs out
+        self._lease: asyncio.Task | None = None
         self._paused_urls: list[str] = []  # the replicas that pause holds
         self._resume_failed: set[str] = set()  # paused by this service and still paused
         self._unpaused = asyncio.Event()
@@ -152,8 +154,11 @@ class PolicyManager:
             self._lock.release()
 
     def begin_close(self) -> None:
-        """Shutting down: no restore starts from now on (for a replica that joins or is probed)."""
+        """Shutting down: no restore starts from now on (for a replica that joins or is probed), and the
+        pause's lease ends with the service (close resumes what it holds)."""
         self._closing = True
+        if self._lease is not None:
+            self._lease.cancel()
 
     # -- turns -------------------------------------------------------------------------------
 
@@ -184,10 +189,12 @@ class PolicyManager:
 
     # -- updates -----------------------------------------------------------------------------
 
-    async def pause(self) -> PolicyState:
-        """Hold every replica paused for a weight transfer the trainer does itself."""
+    async def pause(self, timeout_s: float) -> PolicyState:
+        """Hold every replica paused for a weight transfer the trainer does itself, for `timeout_s`
+        at most (a lease: asking again while paused renews it; see `_pause_ran_out`)."""
         async with self._lock:
             if self.paused:
+                self._pause_deadline = time.monotonic() + timeout_s
                 return self.state()
             # A replica out of routing serves no turn; it is checked before it is routed again.
             endpoints = self.client.routable() or self.client.endpoints
@@ -200,7 +207,54 @@ class PolicyManager:
             self.paused, self.paused_since = True, time.time()
             self._paused_urls = [e.url for e in endpoints]
             self._unpaused.clear()
+            self._pause_deadline = time.monotonic() + timeout_s
+            self._lease = asyncio.create_task(self._hold_lease(), name="pause-lease")
             return self.state()
+
+    async def _hold_lease(self) -> None:
+        """Wait out the pause's lease (renewals move its end), then end the pause if nothing else has:
+        a trainer that died mid-push must not hold every replica, and with them every group, forever."""
+        while True:
+            await asyncio.sleep(max(0.0, self._pause_deadline - time.monotonic()))
+            async with self._lock:
+                if self._lease is not asyncio.current_task():
+                    return  # the pause ended meanwhile (POST /policy, shutdown)
+                if self._pause_deadline <= time.monotonic():
+                    await self._pause_ran_out()
+                    return
+
+    async def _pause_ran_out(self) -> None:
+        """Resume the replicas whose /weight_info still shows the weights from before the pause. Any
+        other has had weights pushed that no POST /policy named: turns must not be sent there, so it
+        stays paused and out of routing, the reason in /health/detail, until it is brought back to the
+        current version (the monitor tries: a checkpoint the service knows is reloaded) or removed."""
+        wanted = self.current.weights_label
+        urls = list(dict.fromkeys(self._paused_urls))
+
+        async def label(url: str) -> str | None | WeightUpdateError:
+            try:
+                return await self._label(url)
+            except WeightUpdateError as exc:
+                return exc
+
+        labels = await asyncio.gather(*(label(url) for url in urls))
+        resume = []
+        for url, found in zip(urls, labels, strict=True):
+            if not isinstance(found, WeightUpdateError) and _weights_match(found, wanted):
+                resume.append(url)
+                continue
+            shown = f"could not be read ({found.detail})" if isinstance(found, WeightUpdateError) else repr(found)
+            reason = (
+                f"the pause lease ran out with /weight_info {shown}, not {wanted or 'the base checkpoint'!r} "
+                f"as before the pause (weights pushed without a POST /policy): kept paused and out of routing "
+                f"until it serves {self.current.label}"
+            )
+            log.warning("policy replica %s: %s", url, reason)
+            self._resume_failed.add(url)  # still paused by this service: resumed before any restore
+            self.serving[url] = None
+            self.client.exclude(self._endpoint(url), reason)
+        log.warning("the trainer's pause lease ran out without a POST /policy: resuming %d replica(s)", len(resume))
+        await self._resume(resume)
 
     async def update(self, update: PolicyUpdate) -> PolicyUpdateResult:
         async with self._lock:
@@ -396,6 +450,9 @@ class PolicyManager:
                 self._resume_failed.add(outcome.url)
                 self.client.exclude(self._endpoint(outcome.url), f"could not be resumed: {outcome.error}")
         self.paused, self.paused_since, self._paused_urls = False, None, []
+        if self._lease is not None and self._lease is not asyncio.current_task():
+            self._lease.cancel()
+        self._lease = None
         self._unpaused.set()
 
     async def _is_paused(self, url: str) -> bool:
@@ -564,6 +621,7 @@ class PolicyManager:
             kind=self.current.kind,
             updates=self.current.step,
             paused=self.paused,
+            pause_expires_in=round(max(0.0, self._pause_deadline - time.monotonic()), 1) if self.paused else None,
             served_model=self.current.served_model,
             replicas=[replica_state(e, self.serving.get(e.url)) for e in self.client.endpoints],
             recent_updates=list(self.history),
