@@ -85,7 +85,18 @@ class Settings(TaskSuite):
         description="fault injection: fraction of episodes that fail as "
         "transport_error, environment_failure or HTTP 500",
     )
+    token: Annotated[str | None, Flag(metavar="TOKEN")] = Field(
+        None,
+        min_length=16,
+        description="require `Authorization: Bearer TOKEN` on every route but /health (set it as "
+        "REFENV_TOKEN: a flag shows in the process list)",
+    )
     log_level: Annotated[str, Flag(env=False)] = Field("warning", description="uvicorn log level")
+
+    @field_validator("token", mode="before")
+    @classmethod
+    def _empty_token_is_none(cls, value: object) -> object:
+        return None if value == "" else value
 
     @field_validator("step_timeout", mode="before")
     @classmethod

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -86,14 +86,15 @@ class EpisodeTable:
         self.support_ask = support_ask
         self.counters = Counters()
         self._live: dict[str, Episode] = {}
-        self._ids = itertools.count(1)
         self._faults = random.Random(f"refenv-faults:{seed}")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def reset(self, task: Task, profile: str) -> dict:
         world = await self.pool.acquire()  # blocks while every world is held, like GraphJin
-        episode = Episode(f"step-{next(self._ids)}", task, world, profile)
+        # Unguessable: whoever knows an id can drive or end that episode, and the ids of others'
+        # episodes must not follow from one's own (nor from /health's counters).
+        episode = Episode(f"step-{secrets.token_urlsafe(16)}", task, world, profile)
         self._live[episode.episode_id] = episode
         self.counters.started += 1
         opts = AgentOptions(latency_s=self.latency_s, responder=self.responder)

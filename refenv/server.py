@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import time
 from typing import TypeVar
 
@@ -163,6 +164,27 @@ class Environment:
         }
 
 
+class TokenCheck:
+    """With --token, every route but /health needs `Authorization: Bearer <token>` (compared in
+    constant time): an episode id then drives nothing for whoever does not hold the token."""
+
+    PUBLIC = frozenset({"/health"})
+
+    def __init__(self, app, token: str) -> None:
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.PUBLIC:
+            header = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            scheme, _, given = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
+                response = _error(401, "unauthorized", "send Authorization: Bearer <the env's token>")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: Settings) -> Starlette:
     env = Environment(settings)
 
@@ -250,6 +272,8 @@ def create_app(settings: Settings) -> Starlette:
         lifespan=lifespan,
     )
     app.state.env = env
+    if settings.token:
+        app.add_middleware(TokenCheck, token=settings.token)
     return app
 
 

@@ -254,12 +254,86 @@ class QueryResult:
     changed_rows: int
 
 
+class BoundedPrintf:
+    """SQLite's printf() (and its alias format()), refusing a width or precision over the value cap
+    before SQLite runs it.
+
+    The progress handler runs between VM steps, and one printf() is one step: '%.*c' with precision
+    1e9 loops a billion times inside it (7 s, past the statement's deadline), and the length limit only
+    makes the result NULL at the end. Past the cap the result could never be kept anyway, so refusing
+    changes no honest answer. What is allowed is formatted by SQLite itself, on a connection of its own
+    (this one's printf is this function)."""
+
+    def __init__(self) -> None:
+        self._builtin = sqlite3.connect(":memory:", check_same_thread=False)
+        self._builtin.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+        self.refused = ""  # why the last call was refused: the error the model is shown
+
+    def install(self, conn: sqlite3.Connection) -> None:
+        for name in ("printf", "format"):
+            conn.create_function(name, -1, self.__call__, deterministic=True)
+
+    def __call__(self, fmt: object = None, *args: object) -> str | None:
+        if fmt is None:
+            return None
+        text = fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else str(fmt)
+        self.refused = self._oversized(text, args)
+        if self.refused:
+            raise ValueError(self.refused)
+        marks = ", ".join("?" * (1 + len(args)))
+        return self._builtin.execute(f"SELECT printf({marks})", (fmt, *args)).fetchone()[0]
+
+    def _oversized(self, fmt: str, args: tuple) -> str:
+        """What in `fmt` asks for a field wider than the cap, or "". Parsed as SQLite's printf.c does:
+        %, flags, width (digits or *), .precision (digits or *), l or ll, the conversion; every
+        conversion but %% and %n takes one argument, and so does each *."""
+        used, i, n = 0, 0, len(fmt)
+
+        def too_big(size: int, what: str) -> str:
+            return f"printf(): a {what} of {size:,} is over the {_MAX_VALUE_BYTES:,} a value may hold"
+
+        while i < n:
+            if fmt[i] != "%":
+                i += 1
+                continue
+            i += 1
+            while i < n and fmt[i] in "-+ #!0,":
+                i += 1
+            for what in ("width", "precision"):
+                if what == "precision":
+                    if i >= n or fmt[i] != ".":
+                        break
+                    i += 1
+                if i < n and fmt[i] == "*":
+                    size = self._as_int(args[used]) if used < len(args) else 0
+                    used, i = used + 1, i + 1
+                else:
+                    start = i
+                    while i < n and fmt[i] in "0123456789":
+                        i += 1
+                    size = int(fmt[start:i]) if i > start else 0
+                if abs(size) > _MAX_VALUE_BYTES:
+                    return too_big(abs(size), what)
+            while i < n and fmt[i] == "l":
+                i += 1
+            if i < n:
+                used += fmt[i] not in "%n"
+                i += 1
+        return ""
+
+    def _as_int(self, value: object) -> int:
+        """A * argument as SQLite reads it (its integer, or the integer of its real: '1e9' is 1e9)."""
+        row = self._builtin.execute("SELECT CAST(?1 AS INTEGER), CAST(CAST(?1 AS REAL) AS INTEGER)", (value,))
+        return max((abs(v) for v in row.fetchone() if isinstance(v, int)), default=0)
+
+
 @dataclass
 class World:
     """One isolated copy of the database; `dirty` once a statement changed a row."""
 
     index: int
     conn: sqlite3.Connection
+    printf: BoundedPrintf
     dirty: bool = False
 
     def execute(self, sql: str, max_rows: int, max_chars: int) -> QueryResult:
@@ -272,6 +346,7 @@ class World:
         )
         self.conn.set_progress_handler(stopped.check, _PROGRESS_EVERY)
         before = self.conn.total_changes
+        self.printf.refused = ""
         try:
             cursor = self.conn.execute(sql)
             columns = [d[0] for d in cursor.description or ()]
@@ -281,7 +356,7 @@ class World:
         except sqlite3.Error as exc:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
-            raise QueryError(stopped.reason or str(exc)) from None
+            raise QueryError(stopped.reason or self.printf.refused or str(exc)) from None
         finally:
             self.conn.set_authorizer(None)
             self.conn.set_progress_handler(None, 0)
@@ -348,12 +423,14 @@ class WorldPool:
         self._busy_closed = 0.0  # world-seconds of leases that ended
         self._lease_started: dict[int, float] = {}  # world index -> when its open lease began
         for index in range(size):
-            self._free.put_nowait(World(index, self._fresh_connection()))
+            printf = BoundedPrintf()
+            self._free.put_nowait(World(index, self._fresh_connection(printf), printf))
 
-    def _fresh_connection(self) -> sqlite3.Connection:
+    def _fresh_connection(self, printf: BoundedPrintf) -> sqlite3.Connection:
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
         conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, _MAX_COLUMNS)
+        printf.install(conn)
         self._load_image(conn)
         return conn
 

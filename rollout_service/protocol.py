@@ -152,6 +152,11 @@ POLICY_FAILURE_KINDS = frozenset({"max_turns", "deadline", "context_overflow"})
 Attribution = Literal["policy", "infrastructure"]
 
 
+# A stop string is sent with every turn of every attempt and kept in the run log: an honest one is a few
+# characters (an end tag), so a cap far above that costs nobody and bounds what one request multiplies.
+StopString = Annotated[str, Field(min_length=1, max_length=200)]
+
+
 class SamplingParams(BaseModel):
     """Sampling as sent to the model server."""
 
@@ -160,7 +165,7 @@ class SamplingParams(BaseModel):
     top_p: WireFloat = Field(1.0, gt=0.0, le=1.0)
     max_tokens: WireInt = Field(256, ge=1, le=32768)
     seed: WireIntOrNull = Field(None, ge=0, le=2**31 - 1)
-    stop: list[str] | None = Field(None, max_length=8)
+    stop: list[StopString] | None = Field(None, max_length=8, description="at most 8, each at most 200 characters")
 
 
 class GroupRequest(BaseModel):
@@ -440,6 +445,20 @@ class PolicyUpdate(BaseModel):
         return self
 
 
+class PauseRequest(BaseModel):
+    """POST /policy/pause: how long the pause may hold the replicas (a lease; asking again renews it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    timeout_s: WireFloatOrNull = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="when it runs out without a POST /policy, the service resumes the replicas whose "
+        "/weight_info still shows the version from before the pause and keeps the others out of routing. "
+        "Default: the service's --pause-timeout; at most its --max-pause-timeout",
+    )
+
+
 class ReplicaUpdate(BaseModel):
     url: str
     ok: bool
@@ -470,7 +489,10 @@ class PolicyState(BaseModel):
     version: str
     kind: Literal["base", "lora", "weights", "pushed"]
     updates: int = Field(description="successful updates since the service started (staleness counts these)")
-    paused: bool = Field(description="held paused by POST /policy/pause until the next POST /policy")
+    paused: bool = Field(
+        description="held paused by POST /policy/pause until the next POST /policy, or until its lease runs out"
+    )
+    pause_expires_in: float | None = Field(None, description="seconds left of the pause's lease, while paused")
     served_model: str = Field(description="the model name turns are sent with (an adapter's own name for LoRA)")
     replicas: list[ReplicaState]
     recent_updates: list[PolicyUpdateResult]

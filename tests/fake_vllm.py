@@ -185,3 +185,12 @@ def checkpoint(root: Path, name: str) -> str:
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_text("")
     return str(folder)
+
+
+def adapter(root: Path, name: str) -> str:
+    """A folder the service accepts as a LoRA adapter (the fake loads its name)."""
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text("{}")
+    (folder / "adapter_model.safetensors").write_text("")
+    return str(folder)

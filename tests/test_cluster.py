@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -205,6 +206,13 @@ def test_up_places_each_piece_on_its_node_and_groups_score(deployment):
         with pytest.raises(RequestRejected) as refused:
             trainer.drain_env(pieces["env-0"]["url"])
         assert refused.value.status == 401
+    # The env answers the service only: `up` gave both the deployment's token (issue #39 item 5).
+    env_url = pieces["env-0"]["url"]
+    assert httpx.get(f"{env_url}/tasks", timeout=10).status_code == 401
+    assert httpx.post(f"{env_url}/step/reset", json={}, timeout=10).status_code == 401
+    # Its logs and pid file are in a folder only this user can enter.
+    logs = Path(pieces["env-0"]["log"]).parent
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700 and logs.stat().st_uid == os.geteuid()
 
 
 def test_a_killed_env_is_restarted_by_ray_and_taken_back(deployment):

@@ -177,6 +177,7 @@ def test_a_replica_added_serves_once_on_the_current_version_and_a_removed_one_fi
     adapter = tmp_path / "adapter-v1"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (adapter / "adapter_model.safetensors").write_text("")  # the scripted replicas load nothing
     body = {"task_id": "t001", "n": 2, "retries": 0, "sampling": SAMPLING}
     answers: list[httpx.Response] = []
 
@@ -383,6 +384,7 @@ def test_a_replica_added_during_a_long_update_is_answered_at_its_timeout(
     adapter = tmp_path / "adapter-v1"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (adapter / "adapter_model.safetensors").write_text("")  # the scripted replicas load nothing
     updates: list[object] = []
     with RolloutClient(service.url, timeout_s=120) as client:
         update = threading.Thread(target=lambda: updates.append(client.update_policy("v1", lora=str(adapter))))

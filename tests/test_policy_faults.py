@@ -16,7 +16,7 @@ import json
 
 import httpx
 import pytest
-from fake_vllm import BASE, checkpoint, made_by, make_manager
+from fake_vllm import BASE, LAUNCH_WEIGHTS, adapter, checkpoint, made_by, make_manager
 
 from inference.errors import InferenceUnreachable
 from inference.replicas import ReplicaPool
@@ -107,7 +107,7 @@ def test_r1_a_trainer_push_is_credited_only_to_the_replicas_its_pause_held(tmp_p
         r0, r1, ep1 = fleet[0], fleet[1], chat.endpoints[1]
         r1.up = False
         chat.on_failure(ep1, InferenceUnreachable("connection refused"))  # a turn found r1 down
-        await pm.pause()
+        await pm.pause(600)
         assert r0.paused and not r1.paused  # the pause held r0 only
         r0.weights = "pushed-v2"  # the trainer pushes into what it paused
         r1.up = True
@@ -205,15 +205,15 @@ def test_r4_a_replica_that_could_not_be_resumed_stays_out_of_routing_until_resum
     run(go())
 
 
-def test_r5_a_lora_update_sent_during_a_trainer_pause_resumes_the_replicas():
+def test_r5_a_lora_update_sent_during_a_trainer_pause_resumes_the_replicas(tmp_path):
     async def go():
         fleet, chat, pm = await make_manager(2)
-        await pm.pause()
+        await pm.pause(600)
         assert fleet.paused == [True, True]
-        await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+        await pm.update(PolicyUpdate(version="v1", lora={"path": adapter(tmp_path, "v1")}))
         assert fleet.paused == [False, False]
         label, by = await turn(chat, pm, "g")  # its lease does not block
-        assert (label, by) == ("v1", "ckpt0+/ad/v1")
+        assert (label, by) == ("v1", f"ckpt0+{tmp_path}/v1")
 
     run(go())
 
@@ -221,7 +221,7 @@ def test_r5_a_lora_update_sent_during_a_trainer_pause_resumes_the_replicas():
 def test_r5_close_resumes_a_pause_the_trainer_still_holds():
     async def go():
         fleet, chat, pm = await make_manager(2)
-        await pm.pause()
+        await pm.pause(600)
         assert fleet.paused == [True, True]
         await pm.close()
         assert fleet.paused == [False, False]
@@ -232,7 +232,7 @@ def test_r5_close_resumes_a_pause_the_trainer_still_holds():
 def test_r5_start_resumes_a_replica_an_earlier_service_left_paused():
     async def go():
         fleet, _, earlier = await make_manager(2)
-        await earlier.pause()  # ... and that service died without closing
+        await earlier.pause(600)  # ... and that service died without closing
         assert fleet.paused == [True, True]
         _, chat, pm = await make_manager(fleet=fleet)
         assert fleet.paused == [False, False]
@@ -275,7 +275,7 @@ def test_r7_a_probe_finding_a_replica_down_excludes_it_unless_the_policy_is_base
 def test_r9_a_second_bare_update_after_one_pause_is_refused_not_paused():
     async def go():
         fleet, _, pm = await make_manager(2)
-        await pm.pause()
+        await pm.pause(600)
         labelled = [len(r.calls("/update_weight_version")) for r in fleet.replicas.values()]
         first, second = await asyncio.gather(
             pm.update(PolicyUpdate(version="p1")), pm.update(PolicyUpdate(version="p2")), return_exceptions=True
@@ -301,7 +301,7 @@ def test_r10_a_try_timing_out_on_a_paused_policy_is_not_the_policys_failure():
     async def go():
         fleet, chat, pm = await make_manager(2)
         runner, target, policy = make_runner(pm, chat, StandInEnv(turns=1))
-        await pm.pause()  # the trainer holds the replicas longer than timeout_s
+        await pm.pause(600)  # the trainer holds the replicas longer than timeout_s
         result = await runner.run_group(GroupRequest(task_id="t001", n=1, timeout_s=0.3, retries=1), target, policy)
         await pm.close()
         attempt = result.attempts[0]
@@ -317,19 +317,19 @@ def test_r10_a_try_timing_out_on_a_paused_policy_is_not_the_policys_failure():
     run(go())
 
 
-def test_r11_a_group_returns_no_attempt_behind_the_version_current_when_it_returns():
+def test_r11_a_group_returns_no_attempt_behind_the_version_current_when_it_returns(tmp_path):
     async def go():
         fleet, chat, pm = await make_manager(2)
 
         async def update_before_second_reset(k: int) -> None:
             if k == 2:  # attempt 0 has finished on base; attempt 1 starts after the update
-                await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+                await pm.update(PolicyUpdate(version="v1", lora={"path": adapter(tmp_path, "v1")}))
 
         runner, target, policy = make_runner(pm, chat, StandInEnv(turns=1, on_reset=update_before_second_reset))
         request = GroupRequest(task_id="t001", n=2, max_staleness=0, sampling={"temperature": 1.0})
         result = await runner.run_group(request, target, policy)
         generated = [made_by(t.completion) for a in result.attempts for t in a.turns]
-        assert generated and all(g == "ckpt0+/ad/v1" for g in generated), generated
+        assert generated and all(g == f"ckpt0+{tmp_path}/v1" for g in generated), generated
         assert all(a.status == "scored" for a in result.attempts)
         assert sorted(a.tries for a in result.attempts) == [1, 2]
         rerun = next(a for a in result.attempts if a.tries == 2)
@@ -340,7 +340,7 @@ def test_r11_a_group_returns_no_attempt_behind_the_version_current_when_it_retur
     run(go())
 
 
-def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too():
+def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too(tmp_path):
     async def go():
         fleet, chat, pm = await make_manager(2)
         chats = 0
@@ -350,7 +350,7 @@ def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too(
             chats += 1
             if chats != 2:
                 return None
-            await pm.update(PolicyUpdate(version="v1", lora={"path": "/ad/v1"}))
+            await pm.update(PolicyUpdate(version="v1", lora={"path": adapter(tmp_path, "v1")}))
             return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 2048"}})
 
         fleet.on_chat = overflow_after_an_update
@@ -358,7 +358,7 @@ def test_r12_an_attempt_ending_in_a_policy_failure_is_checked_for_staleness_too(
         result = await runner.run_group(GroupRequest(task_id="t001", n=1, max_staleness=0, retries=0), target, policy)
         attempt = result.attempts[0]
         generated = [made_by(t.completion) for t in attempt.turns]
-        assert generated and all(g == "ckpt0+/ad/v1" for g in generated), (attempt.status, generated)
+        assert generated and all(g == f"ckpt0+{tmp_path}/v1" for g in generated), (attempt.status, generated)
         assert attempt.status == "scored" and attempt.tries == 2
         assert [f.kind for f in attempt.earlier_failures] == ["stale"]
 
@@ -377,11 +377,11 @@ def test_r14_a_lora_update_before_a_restore_puts_the_adapter_on_the_right_full_w
         r1, ep1 = fleet[1], chat.endpoints[1]
         r1.restart()
         await pm.reconcile(ep1, await chat.list_models(ep1))  # the restore is spawned, not yet holding the lock
-        await pm.update(PolicyUpdate(version="a2", lora={"path": "/adapters/a2"}))
+        await pm.update(PolicyUpdate(version="a2", lora={"path": adapter(tmp_path, "a2")}))
         assert await until(lambda: not pm._restoring and ep1.excluded is None)
         before = len(r1.chats())
         for k in range(8):
-            assert await turn(chat, pm, f"g{k}") == ("a2", f"{v1}+/adapters/a2")
+            assert await turn(chat, pm, f"g{k}") == ("a2", f"{v1}+{tmp_path}/a2")
         assert len(r1.chats()) > before, "r1 was never routed: the test did not look at it"
 
     run(go())
@@ -428,9 +428,9 @@ def test_r16_a_lora_update_never_routes_its_adapter_over_other_full_weights(tmp_
             r1.reload_fail = fault
             await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))  # r0 takes it, r1 does not
             r1.reload_fail, beneath = None, v2
-        await pm.update(PolicyUpdate(version="a3", lora={"path": "/adapters/a3"}))
+        await pm.update(PolicyUpdate(version="a3", lora={"path": adapter(tmp_path, "a3")}))
         for k in range(8):
-            assert await turn(chat, pm, f"g{k}") == ("a3", f"{beneath}+/adapters/a3")
+            assert await turn(chat, pm, f"g{k}") == ("a3", f"{beneath}+{tmp_path}/a3")
 
     run(go())
 
@@ -468,15 +468,15 @@ def test_r15_a_replica_found_restarted_after_a_stop_gets_no_restore(tmp_path, st
     run(go())
 
 
-def test_r15_a_turn_ending_after_close_starts_no_adapter_unload():
+def test_r15_a_turn_ending_after_close_starts_no_adapter_unload(tmp_path):
     """A turn still on an old adapter ends after close: its adapter is left loaded (the replicas outlive the
     service), rather than an unload task started that nothing will wait for."""
 
     async def go():
         _, _, pm = await make_manager(1)
-        await pm.update(PolicyUpdate(version="a1", lora={"path": "/adapters/a1"}))
+        await pm.update(PolicyUpdate(version="a1", lora={"path": adapter(tmp_path, "a1")}))
         lease = await pm.lease()
-        await pm.update(PolicyUpdate(version="a2", lora={"path": "/adapters/a2"}))  # a1 still in flight
+        await pm.update(PolicyUpdate(version="a2", lora={"path": adapter(tmp_path, "a2")}))  # a1 still in flight
         await pm.close()
         pm.release(lease)  # the last a1 turn: an unload of a1 would be spawned here
         assert not pm._tasks
@@ -506,5 +506,62 @@ def test_r17_close_lets_a_restore_under_way_finish_its_reload(tmp_path):
         assert (r1.weights, r1.label) == (path, label), (r1.weights, r1.label)
         assert not pm._tasks and not pm._restoring
         await pm.weights.aclose()
+
+    run(go())
+
+
+# -- the trainer's pause is a lease (issue #39 item 7) -------------------------------------------------
+# The replicas are the fake fleet (tests/fake_vllm.py): a trainer that dies mid-push is what is tested,
+# and the fleet's own state (paused, /weight_info label, chats received) is the oracle.
+
+
+def test_a_pause_whose_lease_runs_out_resumes_the_replicas_that_still_show_the_old_weights():
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        r0, r1 = fleet[0], fleet[1]
+        await pm.pause(0.5)
+        assert fleet.paused == [True, True] and pm.state().pause_expires_in is not None
+        # The trainer pushed into r1 and relabelled it, then died: no POST /policy comes.
+        r1.weights, r1.label = "half-pushed", "trainer-v7"
+        assert await until(lambda: not pm.paused, 10)
+        assert r0.paused is False and r1.paused is True  # only what still shows the old label resumes
+        state = {r.url: r for r in pm.state().replicas}
+        assert state[r0.url].routed and not state[r1.url].routed, state
+        reason = state[r1.url].reason or ""
+        assert "pause lease ran out" in reason and "'trainer-v7'" in reason, reason
+        before = len(r1.chats())
+        for k in range(4):
+            assert await turn(chat, pm, f"g{k}") == ("base", LAUNCH_WEIGHTS)
+        assert len(r1.chats()) == before  # no turn reached the weights nobody named
+        await pm.close()
+
+    run(go())
+
+
+def test_asking_again_renews_the_lease_and_an_update_ends_it():
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        await pm.pause(0.4)
+        await pm.pause(30)  # renewed before it ran out
+        assert not await until(lambda: not pm.paused, 1.5)  # well past the first lease: still held
+        assert fleet.paused == [True, True]
+        for r in (fleet[0], fleet[1]):
+            r.weights = "pushed-v1"
+        await pm.update(PolicyUpdate(version="v1"))
+        assert fleet.paused == [False, False] and pm._lease is None
+        assert await turn(chat, pm, "g") == ("v1", "pushed-v1")
+        await pm.close()
+
+    run(go())
+
+
+def test_a_pause_lease_ends_with_the_service_and_close_does_not_wait_for_it():
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        await pm.pause(3600)
+        closing = asyncio.get_running_loop().time()
+        await pm.close()
+        assert asyncio.get_running_loop().time() - closing < 5  # not close's 30 s wait for its tasks
+        assert fleet.paused == [False, False]
 
     run(go())

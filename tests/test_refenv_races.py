@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import threading
 import time
@@ -186,6 +187,48 @@ def test_hostile_statements_get_an_error_and_cost_neither_memory_nor_the_world(s
     after = memory_mib(pid)
     assert env.proc.proc.poll() is None
     assert after["VmRSS"] - before["VmRSS"] < 100 and after["VmHWM"] - before["VmHWM"] < 100, (before, after)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time the process has used so far (user + system): unlike the wall clock, not stretched
+    by whatever else the machine runs."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# One printf() is one VM step, and the progress handler runs between steps: these ran 7 s and 3.8 s of
+# CPU and came back as a normal (NULL) result, whatever the statement deadline (2 s) said.
+ONE_STEP_COSTS = [
+    "SELECT printf('%.*c', 1000000000, 'x')",
+    "SELECT " + ", ".join(["printf('%.*c', 100000000, 'x') IS NULL"] * 5),
+    "SELECT format('%!.*c', '1e9', 'x')",  # the alias, the unicode flag, and the count as text
+    "SELECT printf('%s %5.1f%% %.*c', 'a', 2.5, 1000000000, 'x')",  # the count after other arguments
+]
+
+
+def test_a_single_function_call_is_bounded_by_the_statement_limit(start_refenv):
+    """Issue #39 item 6: refused within the statement limit as an error observation; the episode goes
+    on, the process lives, and printf() still formats what fits in a value."""
+    env = start_refenv("--pool", "1")
+    pid = env.proc.proc.pid
+    task = task_id_of(env.url, "count-table")
+    with httpx.Client(base_url=env.url, timeout=60) as client:
+
+        def one_turn(sql: str) -> str:
+            eid = client.post("/step/reset", json={"task_id": task}).json()["episode_id"]
+            text = _result(_sql_turn(client, eid, sql))
+            assert client.delete(f"/step/{eid}").status_code == 200
+            return text
+
+        for sql in ONE_STEP_COSTS:
+            before = cpu_seconds(pid)
+            text = one_turn(sql)
+            spent = cpu_seconds(pid) - before
+            assert text.startswith("Result:\nError: ") and "printf()" in text, (sql[:60], text[:300])
+            assert spent < 2.0, (sql[:60], spent)
+        honest = "SELECT printf('%.2f|%5d|%-3s|%%', 3.14159, 42, 'ab'), length(printf('%.*c', 200000, 'y'))"
+        assert "3.14|   42|ab |%" in one_turn(honest)
+    assert env.proc.proc.poll() is None and accounted(env.health())
 
 
 def test_a_reset_whose_driver_left_while_it_waited_gives_its_world_back(start_refenv):

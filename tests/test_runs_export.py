@@ -328,6 +328,54 @@ def test_a_run_resumed_after_a_torn_write_keeps_every_group(
     assert read == [g["group_id"] for g in served_groups[:2]] + [g["group_id"] for g in new]
 
 
+# -- export's output is never its input, and is replaced whole ------------------------------------
+
+
+@pytest.mark.parametrize("alias", ["same path", "symlink", "hardlink"])
+def test_export_refuses_an_out_that_is_the_run_log_itself(run_log, tmp_path, alias):
+    """Issue #39 item 10: `export X --out X` emptied X and exited 0. Whatever name leads to the run
+    log (the path, a symlink, a hard link), export refuses with exit 2 and the log is untouched."""
+    runs, _ = run_log
+    log = runs / "rs-1.jsonl"
+    before = log.read_bytes()
+    out = {"same path": log, "symlink": tmp_path / "link.jsonl", "hardlink": tmp_path / "hard.jsonl"}[alias]
+    if alias == "symlink":
+        out.symlink_to(log)
+    elif alias == "hardlink":
+        out.hardlink_to(log)
+    done = cli("export", str(log), "--out", str(out))
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "is the run log being exported" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert log.read_bytes() == before
+
+
+def test_a_failed_export_leaves_the_previous_output_as_it_was(served_groups, tmp_path):
+    """Written through a temporary file and a rename: an export that fails half-way (a torn line
+    before the last) leaves the old --out whole, and no temporary file behind."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    lines = [json.dumps(g) for g in served_groups]
+    (runs / "bad.jsonl").write_text(lines[0] + "\n" + lines[1][:100] + "\n" + lines[2] + "\n")
+    out = tmp_path / "out" / "sft.jsonl"
+    out.parent.mkdir()
+    out.write_text("the previous export\n")
+    done = cli("export", "bad", "--runs-dir", str(runs), "--out", str(out))
+    assert done.returncode == 2, done.stderr
+    assert out.read_text() == "the previous export\n"
+    assert [p.name for p in out.parent.iterdir()] == ["sft.jsonl"]
+
+
+def test_export_replaces_a_symlinked_out_instead_of_writing_through_it(run_log, tmp_path):
+    """--out that is a symlink to another file: the link is replaced by the export, its target untouched."""
+    runs, _ = run_log
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours\n")
+    out = tmp_path / "sft.jsonl"
+    out.symlink_to(victim)
+    _, records, _ = export(runs, out)
+    assert records and not out.is_symlink() and victim.read_text() == "not yours\n"
+
+
 # -- run ids --------------------------------------------------------------------------------------
 
 

@@ -4,15 +4,19 @@ The actor is the process's keeper: it starts the server on its node's IP and its
 waits until it answers, and exits if the server dies, so that Ray restarts the actor (up to
 `max_restarts`), which starts the server again on the same port: the service finds it where it
 was. The server is tied to the actor (killed with it), and a server a killed actor left behind is
-stopped before its successor starts (its pid is kept in the logs folder).
+stopped before its successor starts (its pid, start time and command line are kept in the logs
+folder, a folder of the node's user that nobody else can write: what it names is what gets killed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import stat
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,7 @@ class ServerProcess:
         port: int,
         ready_path: str,
         startup_timeout_s: float,
-        logs_dir: str,
+        logs_dir: str | None,
         env: dict[str, str],
         cmd: list[str] | None = None,
         builtin: dict[str, Any] | None = None,
@@ -54,8 +58,7 @@ class ServerProcess:
         self.host = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.url = f"http://{self.host}:{port}"
-        logs = Path(logs_dir)
-        logs.mkdir(parents=True, exist_ok=True)
+        logs = private_folder(Path(logs_dir) if logs_dir else default_logs_dir())
         stem = f"{ray.get_runtime_context().namespace}.{name}"  # deployments may share logs_dir
         self._pidfile = logs / f"{stem}.pid"
         _stop_leftover(self._pidfile)
@@ -69,7 +72,7 @@ class ServerProcess:
         self.proc = ManagedProcess(name, argv, logs / f"{stem}.log", process_env, die_with_parent=True)
         self.proc.start()
         assert self.proc.proc is not None
-        self._pidfile.write_text(f"{self.proc.proc.pid} {_start_time(self.proc.proc.pid)}")
+        _write_pidfile(self._pidfile, self.proc.proc.pid)
         try:
             self.proc.wait_http(f"{self.url}{ready_path}", timeout_s=startup_timeout_s)
         except BaseException:
@@ -167,15 +170,63 @@ def _start_time(pid: int) -> str:
         return "?"
 
 
+def default_logs_dir() -> Path:
+    """This node's logs folder for this user: in the system's temporary folder, one per user id."""
+    return Path(tempfile.gettempdir()) / f"rollout-service-ray-{os.geteuid()}"
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder`, created 0700 if missing; refused unless it is a real folder of this user that nobody
+    else can write or read. Its pid files say what `_stop_leftover` kills: in a folder others can
+    write (the shared temporary folder), whoever writes there would choose."""
+    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    info = folder.lstat()
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"logs folder {folder}: a symlink or not a folder; give logs_dir a folder of your own")
+    if info.st_uid != os.geteuid():
+        raise PermissionError(
+            f"logs folder {folder}: owned by uid {info.st_uid}, not by this user ({os.geteuid()}); "
+            "someone else made it: remove it, or give logs_dir a folder of your own"
+        )
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise PermissionError(
+            f"logs folder {folder}: others may use it (mode {stat.S_IMODE(info.st_mode):o}); chmod 700 it, "
+            "or give logs_dir a folder of your own"
+        )
+    return folder
+
+
+def _command_line(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]
+
+
+def _write_pidfile(pidfile: Path, pid: int) -> None:
+    record = {"pid": pid, "started": _start_time(pid), "cmdline": _command_line(pid)}
+    fd = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+
+
 def _stop_leftover(pidfile: Path) -> None:
     """A server that an earlier incarnation of this actor left running (the actor was killed hard)
-    holds the port: stop its process group first, if that pid is still that process."""
+    holds the port: stop its process group first, if that pid is still that process (its start time
+    and its command line as recorded: a pid reused since, or a file naming another process, kills
+    nothing)."""
     try:
-        pid_text, started = pidfile.read_text().split()
-        pid = int(pid_text)
-    except (OSError, ValueError):
+        fd = os.open(pidfile, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as f:
+            record = json.load(f)
+        pid, started, cmdline = int(record["pid"]), str(record["started"]), record["cmdline"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pidfile.unlink(missing_ok=True)
         return
-    if started != "?" and _start_time(pid) == started:
+    if started != "?" and _start_time(pid) == started and cmdline and _command_line(pid) == cmdline:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
     pidfile.unlink(missing_ok=True)

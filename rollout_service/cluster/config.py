@@ -120,7 +120,11 @@ class ClusterConfig(BaseModel):
         "rollout-service", pattern=r"^[A-Za-z0-9_.-]+$", description="the Ray namespace the pieces are named in"
     )
     model: str = Field(embedded_model.MODEL_NAME, min_length=1, description="the policy's served model name")
-    logs_dir: str = Field("/tmp/rollout-service-ray", description="each node writes its pieces' logs here")
+    logs_dir: str | None = Field(
+        None,
+        description="each node writes its pieces' logs and pid files here: a folder of the user Ray runs "
+        "as, mode 0700 (refused otherwise); default: rollout-service-ray-<uid> in the node's temporary folder",
+    )
     replicas: ReplicaSpec = Field(default_factory=ReplicaSpec)
     envs: EnvSpec = Field(default_factory=EnvSpec)
     service: ServiceSpec = Field(default_factory=ServiceSpec)

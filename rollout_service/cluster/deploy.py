@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -150,6 +151,9 @@ def down(config: ClusterConfig, say: Say = print) -> int:
             _stop(handle)
             say(f"{actor_name(kind, i)}: stopped")
             stopped += 1
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(_ENV_TOKEN_KEY, namespace=config.namespace)  # the next `up` makes a new one
     return stopped
 
 
@@ -180,8 +184,11 @@ def _start(config: ClusterConfig, kind: Kind, index: int) -> Any:
         "logs_dir": config.logs_dir,
         "env": env,
     }
+    if kind != "replica":
+        # The envs answer only the service (refenv's --token, as REFENV_TOKEN; other envs ignore it).
+        env[ENV_TOKEN_VAR] = _env_token(config)
     if kind == "service":
-        args = list(config.service.args) + _key_flags(config, env)
+        args = [*config.service.args, "--env-token-env", ENV_TOKEN_VAR, *_key_flags(config, env)]
         actor = ray.remote(ServiceProcess).options(**options)
         return actor.remote(model=config.model, args=args, **common)
     builtin = None
@@ -191,6 +198,23 @@ def _start(config: ClusterConfig, kind: Kind, index: int) -> Any:
         else:
             builtin = {"kind": "refenv", "pool": config.envs.pool, "args": list(config.envs.args)}
     return ray.remote(ServerProcess).options(**options).remote(cmd=spec.command, builtin=builtin, **common)
+
+
+ENV_TOKEN_VAR = "REFENV_TOKEN"
+_ENV_TOKEN_KEY = b"rollout-service/env-token"
+
+
+def _env_token(config: ClusterConfig) -> str:
+    """The deployment's env token: made by the first `up`, kept in the cluster (Ray's key-value
+    store, per namespace) so that later commands and restarted pieces use the same one."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(
+        _ENV_TOKEN_KEY, secrets.token_urlsafe(32).encode(), overwrite=False, namespace=config.namespace
+    )
+    token = internal_kv._internal_kv_get(_ENV_TOKEN_KEY, namespace=config.namespace)
+    assert isinstance(token, bytes)
+    return token.decode()
 
 
 def _ready(handle: Any, kind: str, timeout_s: float) -> dict[str, Any]:

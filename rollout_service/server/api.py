@@ -25,6 +25,7 @@ from ..protocol import (
     ErrorBody,
     GroupRequest,
     GroupResult,
+    PauseRequest,
     PolicyState,
     PolicyUpdate,
     PolicyUpdateResult,
@@ -175,9 +176,20 @@ async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResul
     response_model=PolicyState,
     responses=_ERRORS,
     summary="Hold every policy replica paused while the trainer pushes weights itself; POST /policy resumes",
+    description="A lease: asking again while paused renews it; when it runs out, the replicas whose "
+    "/weight_info still shows the version from before the pause are resumed and the others kept out of "
+    "routing (the reason in /health/detail). 422 pause_too_long past --max-pause-timeout.",
 )
-async def pause_policy(request: Request) -> PolicyState:
-    return await asyncio.shield(_ready(request).replicas.versions.pause())
+async def pause_policy(request: Request, body: PauseRequest | None = None) -> PolicyState:
+    service = _ready(request)
+    config = service.config
+    timeout_s = config.pause_timeout if body is None or body.timeout_s is None else body.timeout_s
+    if timeout_s > config.max_pause_timeout:
+        raise Invalid(
+            "pause_too_long",
+            f"timeout_s {timeout_s:g} is over this service's --max-pause-timeout {config.max_pause_timeout:g}",
+        )
+    return await asyncio.shield(service.replicas.versions.pause(timeout_s))
 
 
 @router.get("/envs", response_model=list[EnvState], summary="The envs scheduled on, with their pools and slots held")

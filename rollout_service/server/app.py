@@ -152,6 +152,13 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     # Said in /health/detail for as long as it runs: an operator looking there sees it.
     app.state.warnings = [keys.warning] if keys.warning else []
+    if config.env_token_env and not config.env_token():
+        # Not fatal: an env that wants a token answers 401 at start, and the service says so then.
+        missing = (
+            f"--env-token-env {config.env_token_env}: that variable is empty or unset; no token is sent to the envs"
+        )
+        logging.getLogger("rollout_service").warning(missing)
+        app.state.warnings.append(missing)
     if keys.data is not None or keys.admin is not None:
         app.add_middleware(PlaneAuth, keys=keys)  # outermost: nothing is parsed before the key is checked
     return app

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from inference.transport import DEFAULT_MAX_ANSWER_BYTES
 
@@ -99,6 +99,9 @@ class ServiceConfig(BaseModel):
         "backend's host is resolved and every address it resolves to must be allowed (the hosts of the "
         "backends given at start always are)",
     )
+    env_token_env: Annotated[str | None, Flag(metavar="VAR")] = Field(
+        None, description="send `Authorization: Bearer $VAR` to every env (refenv --token; compose and ray up set it)"
+    )
     max_requests_per_second: Annotated[float | None, Flag(metavar="R")] = Field(
         None, gt=0, description="cap on chat requests per second to each model route"
     )
@@ -133,6 +136,12 @@ class ServiceConfig(BaseModel):
     update_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         600.0, gt=0, description="deadline of one replica's part of a policy update (loading, reloading)"
     )
+    pause_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        300.0, gt=0, description="lease of a POST /policy/pause that names no timeout_s"
+    )
+    max_pause_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        3600.0, gt=0, description="longest lease a POST /policy/pause may ask for (more: 422)"
+    )
     startup_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         300.0,
         gt=0,
@@ -143,6 +152,11 @@ class ServiceConfig(BaseModel):
         default_factory=list,
         description='a named model a group may ask for with "model": NAME (a teacher on '
         "any OpenAI-compatible server); options api-key-env=VAR, model=SERVED, token-ids=false",
+    )
+    checkpoint_root: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None,
+        description="POST /policy loads LoRA adapters and checkpoints only from folders under DIR (after "
+        "resolving symlinks); unset: any folder the service can read",
     )
     runs_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
         None, description="append every finished group to DIR/<run-id>.jsonl"
@@ -163,6 +177,10 @@ class ServiceConfig(BaseModel):
         "text", description="text (a line each, with the time) or json (one object a line, for log collectors)"
     )
 
+    def env_token(self) -> str | None:
+        """The token sent to the envs, or None (checked set at start: `create_app`)."""
+        return (os.environ.get(self.env_token_env) or None) if self.env_token_env else None
+
     @field_validator("model_endpoint", mode="before")
     @classmethod
     def _parse_endpoints(cls, value: object) -> object:
@@ -176,6 +194,21 @@ class ServiceConfig(BaseModel):
         names = [e.name for e in value]
         if len(set(names)) != len(names):
             raise ValueError("a name is given twice")
+        return value
+
+    @model_validator(mode="after")
+    def _pause_within_its_maximum(self) -> ServiceConfig:
+        if self.pause_timeout > self.max_pause_timeout:
+            raise ValueError(
+                f"--pause-timeout {self.pause_timeout:g} is over --max-pause-timeout {self.max_pause_timeout:g}"
+            )
+        return self
+
+    @field_validator("checkpoint_root")
+    @classmethod
+    def _check_checkpoint_root(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isdir(value):
+            raise ValueError(f"{value!r} is not a folder")
         return value
 
     @field_validator("run_id")

@@ -197,8 +197,11 @@ class EnvClient:
         timeout_s: float = 330.0,
         max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
         transport: httpx.AsyncBaseTransport | None = None,
+        token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # The env's own token (refenv --token), sent with every call: envs that ask for none ignore it.
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         # `transport`: an httpx transport standing in for the env (tests); otherwise the service's own stack.
         self._http: HttpTransport = make_transport(timeout_s, transport, max_answer_bytes=max_answer_bytes)
 
@@ -249,7 +252,9 @@ class EnvClient:
 
     async def _call(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> dict:  # noqa: ASYNC109 - a per-request deadline
         try:
-            response = await self._http.request(method, self.base_url + path, json=json, timeout=timeout)
+            response = await self._http.request(
+                method, self.base_url + path, json=json, timeout=timeout, headers=self._headers
+            )
         except TransportTimeout as exc:
             raise EnvUnreachable(None, "transport_timeout", f"{method} {path}: {exc}") from None
         except ConnectRefused as exc:

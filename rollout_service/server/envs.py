@@ -39,12 +39,19 @@ class Discovered:
 
 class EnvRegistry:
     def __init__(
-        self, lifecycle: Lifecycle, metrics: Metrics, allowed: AllowedBackends, *, max_answer_bytes: int
+        self,
+        lifecycle: Lifecycle,
+        metrics: Metrics,
+        allowed: AllowedBackends,
+        *,
+        max_answer_bytes: int,
+        env_token: str | None = None,
     ) -> None:
         self.lifecycle = lifecycle
         self.max_answer_bytes = max_answer_bytes  # of an added env's answers, its probe's included
         self.metrics = metrics
         self.allowed = allowed  # what POST /envs may reach
+        self.env_token = env_token  # sent to every env added at runtime too (refenv --token)
         self.envs: dict[str, EnvHandle] = {}
         self.targets: dict[str, TaskTarget] = {}
         self.by_slug: dict[str, str] = {}
@@ -134,7 +141,7 @@ class EnvRegistry:
             state = "is draining: remove it first" if draining else "is scheduled already (or being added)"
             raise Conflict("env_present", f"env {url} {state}")
         self.adding.add(url)
-        client = EnvClient(url, max_answer_bytes=self.max_answer_bytes)
+        client = EnvClient(url, max_answer_bytes=self.max_answer_bytes, token=self.env_token)
         try:
             try:
                 found = await asyncio.wait_for(ask_until_ready(functools.partial(ask_env, url, client)), body.timeout_s)

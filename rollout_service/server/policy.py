@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -66,8 +67,16 @@ class TurnLease:
 class PolicyManager:
     """The current version, the replicas' state, and the updates (one at a time)."""
 
-    def __init__(self, client: ReplicaPool, base_model: str, weights: WeightsClient, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        client: ReplicaPool,
+        base_model: str,
+        weights: WeightsClient,
+        metrics: Metrics,
+        checkpoint_root: str | None = None,
+    ) -> None:
         self.client = client
+        self.checkpoint_root = checkpoint_root
         self.base_model = base_model
         self.weights = weights
         self.metrics = metrics
@@ -75,8 +84,10 @@ class PolicyManager:
         self._steps: dict[str, int] = {"base": 0}
         self.weights_epoch = 0  # bumped by every update that changes the base weights
         self.serving: dict[str, str | None] = {e.url: "base" for e in client.endpoints}
-        self.paused = False  # held by the trainer (POST /policy/pause) until its POST /policy
+        self.paused = False  # held by the trainer (POST /policy/pause) until its POST /policy or the lease ends
         self.paused_since: float | None = None
+        self._pause_deadline = 0.0  # monotonic: when the trainer's pause lease runs out
+        self._lease: asyncio.Task | None = None
         self._paused_urls: list[str] = []  # the replicas that pause holds
         self._resume_failed: set[str] = set()  # paused by this service and still paused
         self._unpaused = asyncio.Event()
@@ -144,8 +155,11 @@ class PolicyManager:
             self._lock.release()
 
     def begin_close(self) -> None:
-        """Shutting down: no restore starts from now on (for a replica that joins or is probed)."""
+        """Shutting down: no restore starts from now on (for a replica that joins or is probed), and the
+        pause's lease ends with the service (close resumes what it holds)."""
         self._closing = True
+        if self._lease is not None:
+            self._lease.cancel()
 
     # -- turns -------------------------------------------------------------------------------
 
@@ -176,10 +190,12 @@ class PolicyManager:
 
     # -- updates -----------------------------------------------------------------------------
 
-    async def pause(self) -> PolicyState:
-        """Hold every replica paused for a weight transfer the trainer does itself."""
+    async def pause(self, timeout_s: float) -> PolicyState:
+        """Hold every replica paused for a weight transfer the trainer does itself, for `timeout_s`
+        at most (a lease: asking again while paused renews it; see `_pause_ran_out`)."""
         async with self._lock:
             if self.paused:
+                self._pause_deadline = time.monotonic() + timeout_s
                 return self.state()
             # A replica out of routing serves no turn; it is checked before it is routed again.
             endpoints = self.client.routable() or self.client.endpoints
@@ -192,7 +208,54 @@ class PolicyManager:
             self.paused, self.paused_since = True, time.time()
             self._paused_urls = [e.url for e in endpoints]
             self._unpaused.clear()
+            self._pause_deadline = time.monotonic() + timeout_s
+            self._lease = asyncio.create_task(self._hold_lease(), name="pause-lease")
             return self.state()
+
+    async def _hold_lease(self) -> None:
+        """Wait out the pause's lease (renewals move its end), then end the pause if nothing else has:
+        a trainer that died mid-push must not hold every replica, and with them every group, forever."""
+        while True:
+            await asyncio.sleep(max(0.0, self._pause_deadline - time.monotonic()))
+            async with self._lock:
+                if self._lease is not asyncio.current_task():
+                    return  # the pause ended meanwhile (POST /policy, shutdown)
+                if self._pause_deadline <= time.monotonic():
+                    await self._pause_ran_out()
+                    return
+
+    async def _pause_ran_out(self) -> None:
+        """Resume the replicas whose /weight_info still shows the weights from before the pause. Any
+        other has had weights pushed that no POST /policy named: turns must not be sent there, so it
+        stays paused and out of routing, the reason in /health/detail, until it is brought back to the
+        current version (the monitor tries: a checkpoint the service knows is reloaded) or removed."""
+        wanted = self.current.weights_label
+        urls = list(dict.fromkeys(self._paused_urls))
+
+        async def label(url: str) -> str | None | WeightUpdateError:
+            try:
+                return await self._label(url)
+            except WeightUpdateError as exc:
+                return exc
+
+        labels = await asyncio.gather(*(label(url) for url in urls))
+        resume = []
+        for url, found in zip(urls, labels, strict=True):
+            if not isinstance(found, WeightUpdateError) and _weights_match(found, wanted):
+                resume.append(url)
+                continue
+            shown = f"could not be read ({found.detail})" if isinstance(found, WeightUpdateError) else repr(found)
+            reason = (
+                f"the pause lease ran out with /weight_info {shown}, not {wanted or 'the base checkpoint'!r} "
+                f"as before the pause (weights pushed without a POST /policy): kept paused and out of routing "
+                f"until it serves {self.current.label}"
+            )
+            log.warning("policy replica %s: %s", url, reason)
+            self._resume_failed.add(url)  # still paused by this service: resumed before any restore
+            self.serving[url] = None
+            self.client.exclude(self._endpoint(url), reason)
+        log.warning("the trainer's pause lease ran out without a POST /policy: resuming %d replica(s)", len(resume))
+        await self._resume(resume)
 
     async def update(self, update: PolicyUpdate) -> PolicyUpdateResult:
         async with self._lock:
@@ -208,6 +271,7 @@ class PolicyManager:
             previous = self.current
             step = previous.step + 1
             if update.lora is not None:
+                await asyncio.to_thread(check_checkpoint, update.lora.path, "lora", self.checkpoint_root)
                 beneath = previous.weights if previous.kind == "lora" else previous
                 version = PolicyVersion(
                     update.version,
@@ -221,7 +285,7 @@ class PolicyManager:
                 if self.paused and any(o.ok for o in outcomes):
                     await self._resume(self._paused_urls)  # the trainer's pause ends with its update
             elif update.weights is not None:
-                await asyncio.to_thread(check_checkpoint, update.weights.path)
+                await asyncio.to_thread(check_checkpoint, update.weights.path, "weights", self.checkpoint_root)
                 version = PolicyVersion(update.version, step, "weights", self.base_model, update.weights.path)
                 outcomes = await self._reload_everywhere(version)
             else:
@@ -387,6 +451,9 @@ class PolicyManager:
                 self._resume_failed.add(outcome.url)
                 self.client.exclude(self._endpoint(outcome.url), f"could not be resumed: {outcome.error}")
         self.paused, self.paused_since, self._paused_urls = False, None, []
+        if self._lease is not None and self._lease is not asyncio.current_task():
+            self._lease.cancel()
+        self._lease = None
         self._unpaused.set()
 
     async def _is_paused(self, url: str) -> bool:
@@ -555,6 +622,7 @@ class PolicyManager:
             kind=self.current.kind,
             updates=self.current.step,
             paused=self.paused,
+            pause_expires_in=round(max(0.0, self._pause_deadline - time.monotonic()), 1) if self.paused else None,
             served_model=self.current.served_model,
             replicas=[replica_state(e, self.serving.get(e.url)) for e in self.client.endpoints],
             recent_updates=list(self.history),
@@ -621,26 +689,49 @@ async def _failed_outcome(outcome: _Outcome) -> _Outcome:
     return outcome
 
 
-def check_checkpoint(path: str) -> None:
-    """Refuse a checkpoint folder vLLM could not load, before any replica is paused. vLLM 0.32
-    reloads in place, and a reload that fails (a missing folder, no weights in it) leaves the
-    replica broken until it restarts; so the folder must be visible to the service too (the same
-    machine or shared storage) and hold a config and safetensors weights."""
-    folder = Path(path)
+# What a folder must hold to be loaded: vLLM's full checkpoint, or a PEFT adapter.
+CHECKPOINT_CONFIG = {"weights": "config.json", "lora": "adapter_config.json"}
+
+
+def check_checkpoint(path: str, kind: Literal["weights", "lora"], root: str | None = None) -> None:
+    """Refuse a folder vLLM could not load, before any replica is paused. vLLM 0.32 reloads in place,
+    and a reload that fails (a missing folder, no weights in it) leaves the replica broken until it
+    restarts; so the folder must be visible to the service too (the same machine or shared storage)
+    and hold its config and safetensors weights. With `root` (--checkpoint-root), the folder and
+    every file read from it must be under it once symlinks are resolved.
+
+    One answer for every refusal: which folders exist on this host is none of the caller's business."""
+    if not _readable_checkpoint(path, CHECKPOINT_CONFIG[kind], root):
+        under = " under the checkpoint root" if root else ""
+        raise Invalid(
+            "checkpoint_refused",
+            f"{path[:200]!r} is not a readable checkpoint{under}: give the absolute path of a folder the service "
+            f"and the model servers both read, holding {CHECKPOINT_CONFIG[kind]} and *.safetensors weights",
+        )
+
+
+def _readable_checkpoint(path: str, config_name: str, root: str | None) -> bool:
     try:
-        found = folder.is_dir()
-    except (OSError, ValueError):  # a name the file system refuses (a NUL byte, too long)
-        found = False
-    if not found:
-        raise Invalid(
-            "checkpoint_not_found",
-            f"{path} is not a folder this service can read: full-weight updates need the checkpoint on "
-            "storage the service and the model servers share (a failed reload breaks a vLLM replica)",
-        )
-    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-        raise Invalid(
-            "checkpoint_incomplete", f"{path} holds no config.json and *.safetensors weights: not a checkpoint"
-        )
+        folder = Path(path)
+        if not folder.is_absolute():  # the model servers would resolve it against their own directory
+            return False
+        real = folder.resolve(strict=True)
+        bound = Path(root).resolve(strict=True) if root else None
+
+        def readable(target: Path, mode: int) -> bool:
+            resolved = target.resolve(strict=True)
+            inside = bound is None or resolved == bound or resolved.is_relative_to(bound)
+            return inside and os.access(resolved, mode)
+
+        if not real.is_dir() or not readable(real, os.R_OK | os.X_OK):
+            return False
+        config = real / config_name
+        if not config.is_file() or not readable(config, os.R_OK):
+            return False
+        weights = [f for f in real.glob("*.safetensors") if f.is_file()]
+        return bool(weights) and all(readable(f, os.R_OK) for f in weights)
+    except (OSError, ValueError, RuntimeError):  # missing, a loop of links, a name the file system refuses
+        return False
 
 
 def _describe(outcomes: list[_Outcome], verb: str) -> str:

@@ -45,6 +45,7 @@ class ReplicaRegistry:
             self.policy.request_model,
             WeightsClient(timeout_s=config.update_timeout, max_answer_bytes=config.max_answer_bytes),
             metrics,
+            config.checkpoint_root,
         )
         self.support: ModelRoute | None = None
         if config.support_model:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 from pathlib import Path
 
 from ..runs import valid_run_id
@@ -23,8 +24,10 @@ class RunLog:
     def __init__(self, runs_dir: Path, run_id: str, max_queue: int = 1024) -> None:
         if not valid_run_id(run_id):
             raise ValueError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-' only")
-        runs_dir.mkdir(parents=True, exist_ok=True)
+        private_folder(runs_dir)
         self.path = runs_dir / f"{run_id}.jsonl"
+        if self.path.is_symlink() or (self.path.exists() and not self.path.is_file()):
+            raise ValueError(f"run log {self.path}: is a symlink or not a plain file; the service writes only its own")
         self.groups_written = 0
         self.groups_lost = 0
         self.error: str | None = None  # the last write's error, cleared by a write that succeeds
@@ -76,10 +79,39 @@ class RunLog:
             del lines, batch  # not kept while the next group is awaited: an idle writer holds none
 
     def _write(self, lines: list[bytes]) -> None:
-        with open(self.path, "a+b") as f:
+        with open_private_log(self.path) as f:
             _drop_torn_tail(f, self.path)
             f.write(b"".join(line + b"\n" for line in lines))
             f.flush()
+
+
+def private_folder(folder: Path) -> None:
+    """Make `folder` (and its missing parents) the service user's own: run logs hold every prompt and
+    completion. A folder someone else owns is refused; one of ours is closed to others (0700)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.geteuid():
+        raise ValueError(f"runs folder {folder}: owned by another user (uid {info.st_uid}); use a folder of your own")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        log.warning("runs folder %s: was open to other users (%o); now 0700", folder, stat.S_IMODE(info.st_mode))
+        folder.chmod(0o700)
+
+
+def open_private_log(path: Path):
+    """`path` opened for appending and reading, 0600, never through a symlink (whoever planted one would
+    have the service truncate its target) and only if it is a plain file (a FIFO would block the writer)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{path} is not a plain file")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "a+b")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _drop_torn_tail(f, path: Path) -> None:

@@ -44,7 +44,13 @@ class RolloutService:
             config.allow_backends,
             [*config.env, *config.vllm, *config.support_vllm, *(spec.url for spec in config.model_endpoint)],
         )
-        self.envs = EnvRegistry(self.lifecycle, self.metrics, allowed, max_answer_bytes=config.max_answer_bytes)
+        self.envs = EnvRegistry(
+            self.lifecycle,
+            self.metrics,
+            allowed,
+            max_answer_bytes=config.max_answer_bytes,
+            env_token=config.env_token(),
+        )
         self.replicas = ReplicaRegistry(config, self.lifecycle, self.metrics, allowed)
         self.run_log = RunLog(Path(config.runs_dir), self.run_id, config.max_run_log_queue) if config.runs_dir else None
         self.admission = Admission(
@@ -60,7 +66,10 @@ class RolloutService:
         awaited. What waiting cannot fix (a wrong model name, an env that does not speak the step
         contract, datasets that disagree) is refused at once."""
         lifecycle = self.lifecycle
-        clients = {url: EnvClient(url, max_answer_bytes=self.config.max_answer_bytes) for url in self.config.env}
+        clients = {
+            url: EnvClient(url, max_answer_bytes=self.config.max_answer_bytes, token=self.config.env_token())
+            for url in self.config.env
+        }
         lifecycle.waiting_for = {f"env {url}": "not asked yet" for url in clients}
         self.replicas.await_all()
         reporter = asyncio.ensure_future(lifecycle.report_waiting(say))

@@ -322,9 +322,10 @@ class RolloutClient(_BaseClient):
         self._raise_for(response)
         return PolicyUpdateResult.model_validate_json(response.content)
 
-    def pause_policy(self) -> PolicyState:
-        """Hold the policy replicas paused (turns in flight freeze) while you push weights yourself."""
-        response = self._http.post("/policy/pause", headers=self._admin_headers)
+    def pause_policy(self, timeout_s: float | None = None) -> PolicyState:
+        """Hold the policy replicas paused (turns in flight freeze) while you push weights yourself, for
+        `timeout_s` at most (default: the service's --pause-timeout); calling it again renews the lease."""
+        response = self._http.post("/policy/pause", json={"timeout_s": timeout_s}, headers=self._admin_headers)
         self._raise_for(response)
         return PolicyState.model_validate_json(response.content)
 
@@ -456,8 +457,8 @@ class AsyncRolloutClient(_BaseClient):
         self._raise_for(response)
         return PolicyUpdateResult.model_validate_json(response.content)
 
-    async def pause_policy(self) -> PolicyState:
-        response = await self._http.post("/policy/pause", headers=self._admin_headers)
+    async def pause_policy(self, timeout_s: float | None = None) -> PolicyState:
+        response = await self._http.post("/policy/pause", json={"timeout_s": timeout_s}, headers=self._admin_headers)
         self._raise_for(response)
         return PolicyState.model_validate_json(response.content)
 

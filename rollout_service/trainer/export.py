@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,19 +39,44 @@ class ExportOptions:
 def export_sft(run_log: Path, out: Path, opts: ExportOptions) -> ExportReport:
     """Write one JSON line per kept turn: {"messages": [...prompt..., assistant], "meta": {...}}."""
     report = ExportReport()
+    _refuse_same_file(run_log, out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as sink:
-        for group in read_groups(run_log):
-            report.groups += 1
-            if group.env.side == "eval" and not opts.allow_eval_side:
-                report.dropped["attempts from an eval-side env (use --allow-eval-side to keep)"] += group.n
-                continue
-            for attempt in _eligible_attempts(group, opts, report):
-                report.attempts += 1
-                for record in _records(group, attempt, opts, report):
-                    sink.write(json.dumps(record) + "\n")
-                    report.kept += 1
+    # Written beside `out` and renamed over it at the end: an export that fails half-way leaves the old
+    # file as it was, and `out` is never opened for writing (a symlink there is replaced, not followed).
+    fd, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with open(fd, "w", encoding="utf-8") as sink:
+            _write_records(run_log, sink, opts, report)
+        os.replace(temporary, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
     return report
+
+
+def _refuse_same_file(run_log: Path, out: Path) -> None:
+    """Writing the output would empty the run log it reads: same device and inode, whatever the path
+    (a symlink or a hard link to it included)."""
+    try:
+        source, target = os.stat(run_log), os.stat(out)
+    except FileNotFoundError:
+        return
+    if (source.st_dev, source.st_ino) == (target.st_dev, target.st_ino):
+        raise ValueError(f"--out {out} is the run log being exported ({run_log}): choose another file")
+
+
+def _write_records(run_log: Path, sink, opts: ExportOptions, report: ExportReport) -> None:
+    for group in read_groups(run_log):
+        report.groups += 1
+        if group.env.side == "eval" and not opts.allow_eval_side:
+            report.dropped["attempts from an eval-side env (use --allow-eval-side to keep)"] += group.n
+            continue
+        for attempt in _eligible_attempts(group, opts, report):
+            report.attempts += 1
+            for record in _records(group, attempt, opts, report):
+                sink.write(json.dumps(record) + "\n")
+                report.kept += 1
 
 
 def _eligible_attempts(group: GroupResult, opts: ExportOptions, report: ExportReport) -> list[Attempt]:
