@@ -18,7 +18,9 @@ rss MiB        the service's peak resident memory in the window (sampled every 0
 max open       the most episodes the env held at once (must never exceed the pool)
 
 The stand-ins' and the driver's CPU are shown next to the service's: where they are near a whole
-core, they (not the service) are the limit and the row says so. Results go to results/ceiling.json.
+core, they (not the service) are the limit and the row says so. Results go to results/ceiling.json;
+`--record bench/results/NAME.json` also writes them as a record (bench/record.py: command, commit,
+machine, date) for the benchmarks page.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import record
 from standins import REPLIES  # bench/ is on the path when this runs as a script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -293,6 +296,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--profile", metavar="DIR", help="record the service with py-spy into DIR (flame graphs)")
     parser.add_argument("--out", default="results/ceiling.json")
+    parser.add_argument("--record", metavar="PATH", help="also write the rows as a benchmark record (bench/results/)")
     args = parser.parse_args()
     os.chdir(ROOT)
     rows = asyncio.run(run(args))
@@ -300,6 +304,34 @@ def main() -> None:
     report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"written to {args.out}")
+    if args.record:
+        print(f"record written to {record.write(_record(args, rows), args.record)}")
+
+
+def _record(args: argparse.Namespace, rows: list[dict]) -> dict:
+    """The rows as a benchmark record, named as the benchmarks page's ceiling tables name them."""
+    shown = [
+        {
+            "tokens": row["tokens"],
+            "replies": row["replies"],
+            "in flight": row["in_flight"],
+            "completion tokens": row["completion_tokens"],
+            "attempts asked": row["attempts_asked"],
+            "turns/s": row["turns_per_s"],
+            "CPU ms/turn": row["service_cpu_ms_per_turn"],
+            "added p50 ms": row["added_p50_ms"],
+            "added p99 ms": row["added_p99_ms"],
+            "RSS MiB": row["service_rss_mib"],
+            "groups/s": row["groups_per_s"],
+            "limit": row["limit"],
+        }
+        for row in rows
+    ]
+    notes = (
+        f"{args.seconds:g} s windows after {args.warmup:g} s of warm-up; {args.turns}-turn episodes from a"
+        f" {args.prompt_tokens}-token first observation."
+    )
+    return record.make("ceiling", "The service's own ceiling", shown, notes=notes)
 
 
 async def run(args: argparse.Namespace) -> list[dict]:

@@ -16,7 +16,9 @@ scaling   groups/s and service CPU per env step as concurrent groups grow 1 -> 6
 memory    service RSS with 10,000 attempts queued for worlds
 
 Start the model server first (`rollout-service vllm`). Everything else is started here, on
-loopback, and stopped at the end. Results are printed and written to results/bench.json.
+loopback, and stopped at the end. Results are printed and written to results/bench.json;
+`--record bench/results` also writes each benchmark run as a record there (bench/record.py:
+command, commit, machine, date) for the benchmarks page.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import psutil
 from rollout_service.trainer import RolloutClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import record  # bench/ is on the path when this runs as a script
+
 from inference.embedded_model import MODEL_NAME
 from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT
 from rollout_service.tools.stack import LocalStack
@@ -432,6 +436,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm", default="http://127.0.0.1:8000")
     parser.add_argument("which", nargs="*", default=["overhead", "naive", "scaling", "memory"])
+    parser.add_argument("--record", metavar="DIR", help="also write each benchmark's rows as a record into DIR")
     args = parser.parse_args()
     vllm = args.vllm.rstrip("/")
     results: dict = {
@@ -458,7 +463,24 @@ def main() -> int:
     Path("results").mkdir(exist_ok=True)
     Path("results/bench.json").write_text(json.dumps(results, indent=1))
     print("written to results/bench.json")
+    if args.record:
+        for name in RECORDED:
+            if name in results:
+                rows = results[name] if isinstance(results[name], list) else [results[name]]
+                made = record.make(name, RECORDED[name], [record.flat(row) for row in rows])
+                path = Path(args.record) / f"{name}-{made['date']}-{made['commit'].replace('+', '-')}.json"
+                print(f"record written to {record.write(made, path)}")
     return 0
+
+
+# Each benchmark's record: its name on the benchmarks page and its title there.
+RECORDED = {
+    "overhead": "Service overhead against a raw client",
+    "naive": "Against the naive driver",
+    "pool32": "Where the pool-32 throughput goes",
+    "scaling": "Concurrent groups 1 → 64",
+    "memory": "Memory with 10,000 attempts queued for worlds",
+}
 
 
 if __name__ == "__main__":

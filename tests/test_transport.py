@@ -1,5 +1,5 @@
 """The hot path's HTTP transport (inference/transport.py) against real sockets, and a smoke run of the
-ceiling benchmark so that it does not rot (its numbers are measured by hand: README, Benchmarks)."""
+ceiling benchmark so that it does not rot (its numbers are measured by hand: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -163,16 +164,22 @@ def test_the_ceiling_benchmark_runs_and_keeps_the_pool_full_but_never_over(tmp_p
     drive them, and report; the env's own counts (episodes open at once, resets refused for want of a
     world) are the oracle for the pool. Break tried: EnvSlots.free reporting one slot more and its assertion removed ->
     88 resets refused, fails."""
-    out = tmp_path / "ceiling.json"
+    out, kept = tmp_path / "ceiling.json", tmp_path / "record.json"
     subprocess.run(
         [sys.executable, "bench/ceiling.py", "--in-flight", "16", "--completion-tokens", "16", "--prompt-tokens",
-         "200", "--seconds", "3", "--warmup", "2", "--out", str(out)],
+         "200", "--seconds", "3", "--warmup", "2", "--out", str(out), "--record", str(kept)],
         cwd=ROOT, check=True, timeout=240,
     )  # fmt: skip
     (row,) = json.loads(out.read_text())["rows"]
     assert row["refused_resets"] == 0  # never asked for a world the env did not have
     assert row["max_open"] == row["pool"] == 16
     assert row["turns_per_s"] > 0 and row["groups_per_s"] > 0
+    # The same run as a record for the benchmarks page: its provenance and the same figures.
+    record = json.loads(kept.read_text())
+    assert record["benchmark"] == "ceiling" and record["command"].startswith("bench/ceiling.py --in-flight 16")
+    assert record["commit"] and record["date"] and record["machine"]["cpus"] == os.cpu_count()
+    (shown,) = record["figures"]["rows"]
+    assert shown["turns/s"] == row["turns_per_s"] and shown["in flight"] == 16
 
 
 @TRANSPORTS
