@@ -4,13 +4,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-done
 # Test processes (pytest-xdist): they share one vLLM and the machine (tests/shared_vllm.py). On a 2-core
-# machine three kept it ~74% busy and ran the suite in 17.0 min, against 23.0 min on two (README, Development).
+# machine three kept it ~74% busy and ran the suite in 17.0 min, against 23.0 min on two (bench/results/test-suite-*.json).
 TEST_WORKERS ?= 3
 # This machine keeps its CPU build of torch in a local wheel folder; elsewhere pip's own config decides.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check $(FIND_LINKS)
 
-.PHONY: setup demo test lint up tools clean train-demo
+.PHONY: setup demo test lint docs up tools clean train-demo
 
 setup: $(STAMP)
 
@@ -31,11 +31,11 @@ demo: setup
 up: setup
 	$(BIN)/rollout-service up
 
-# The reference trainer's full run (distil, rejection sampling, GRPO) on this machine: see README.
+# The reference trainer's full run (distil, rejection sampling, GRPO) on this machine: docs/training.md.
 train-demo: setup
 	$(BIN)/python examples/reference_trainer.py --out results/train
 
-test: setup tools lint
+test: setup tools lint docs
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -ra --durations=25
 
 # Lint, format and type checks (configured in pyproject.toml); part of `make test`.
@@ -44,6 +44,14 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The docs site (mkdocs.yml, docs/): the HTTP API and configuration pages' tables from the code
+# (scripts/gen_docs.py), the benchmark tables from bench/results/*.json (bench/render.py), then a
+# strict build, so a broken link or a missing page fails `make test`. The site goes to site/.
+docs: setup
+	$(BIN)/python scripts/gen_docs.py
+	$(BIN)/python bench/render.py
+	$(BIN)/mkdocs build --strict --quiet
+
 # The compose validator the tests use: Debian's docker-compose, installed where we may (root, apt).
 tools:
 	@command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
@@ -51,4 +59,4 @@ tools:
 	  || echo "note: docker-compose not installed; the compose check will be skipped"; }
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results .pytest_cache site docs/generated

@@ -1,0 +1,140 @@
+"""The docs site says what the code does, and builds: every flag and every route is on the pages
+generated from the code (checked against the parsers and the app's routes, not against the
+generator's own reading), every failure kind is documented with its attribution, every benchmark
+figure comes from a complete record, and `mkdocs build --strict` passes (and fails on a broken link)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.routing import APIRoute
+
+from refenv import cli as refenv_cli
+from rollout_service.protocol import FAILURE_KINDS, POLICY_FAILURE_KINDS
+from rollout_service.server.app import create_app
+from rollout_service.server.config import ServiceConfig
+from rollout_service.tools import cli as service_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory) -> Path:
+    """The generated parts of the site, as `make docs` writes them, into a folder of the test's own."""
+    out = tmp_path_factory.mktemp("generated")
+    for script in ("scripts/gen_docs.py", "bench/render.py"):
+        subprocess.run([sys.executable, script, "--out", str(out)], cwd=ROOT, check=True, timeout=120)
+    return out
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str) -> list[tuple[str, argparse.ArgumentParser]]:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [(f"{prefix} {name}", sub), *_commands(sub, f"{prefix} {name}")]
+    return found
+
+
+def _section(page: str, heading: str) -> str:
+    start = page.index(heading)
+    following = page.find("\n### ", start + len(heading))
+    return page[start : following if following != -1 else None]
+
+
+@pytest.mark.parametrize(
+    "program,build", [("rollout-service", service_cli.build_parser), ("refenv", refenv_cli.build_parser)]
+)
+def test_every_flag_of_every_command_is_on_the_configuration_page(generated, program, build):
+    page = (generated / "configuration.md").read_text()
+    for command, parser in _commands(build(), program):
+        flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
+        if not flags:
+            continue
+        section = _section(page, f"### `{command}`")
+        missing = [f for f in flags if not re.search(rf"`{re.escape(f)}[ `]", section)]
+        assert not missing, f"{command}: {missing} not on the configuration page"
+
+
+def test_every_route_is_on_the_http_api_page(generated):
+    page = (generated / "http-api.md").read_text()
+    app = create_app(ServiceConfig(env=["http://127.0.0.1:9"], vllm=["http://127.0.0.1:9"], model="m"))
+    routes = [(method, r.path) for r in app.routes if isinstance(r, APIRoute) for method in r.methods]
+    assert len(routes) >= 16  # every route the service has, not a subset the router happens to hold
+    missing = [f"{m} {p}" for m, p in routes if f"### `{m} {p}`" not in page]
+    assert not missing, f"not on the HTTP API page: {missing}"
+    for field in ServiceConfig.model_fields:  # nothing of the settings leaks in; a sanity check of the oracle
+        assert f"`--{field.replace('_', '-')}`" not in page
+
+
+def test_every_request_field_is_on_the_http_api_page(generated):
+    from rollout_service.protocol import GroupRequest
+
+    page = (generated / "http-api.md").read_text()
+    section = page[page.index('<a id="schema-grouprequest">') :]
+    section = section[: section.index("<a id=", 10)]
+    missing = [name for name, info in GroupRequest.model_fields.items() if f"| `{info.alias or name}` |" not in section]
+    assert not missing, missing
+
+
+def test_every_failure_kind_is_documented_with_its_attribution():
+    page = (DOCS / "concepts.md").read_text()
+    for kind in FAILURE_KINDS:
+        attribution = "policy" if kind in POLICY_FAILURE_KINDS else "infrastructure"
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{kind}` |")), None)
+        assert row is not None, f"docs/concepts.md does not list failure kind {kind}"
+        assert f"| {attribution} |" in row, row
+
+
+def test_every_benchmark_record_is_complete_and_on_the_benchmarks_page(generated):
+    page = (DOCS / "benchmarks.md").read_text()
+    records = sorted((ROOT / "bench" / "results").glob("*.json"))
+    assert records
+    for path in records:
+        record = json.loads(path.read_text())
+        for key in ("benchmark", "title", "command", "commit", "machine", "date", "figures"):
+            assert record.get(key), f"{path.name}: no {key}"
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", record["date"]), path.name
+        assert record["figures"]["rows"], path.name
+        include = f'--8<-- "bench-{record["benchmark"]}.md"'
+        assert include in page, f"{path.name}: benchmark {record['benchmark']} is not on docs/benchmarks.md"
+        rendered = (generated / f"bench-{record['benchmark']}.md").read_text()
+        assert f"`{record['command']}` · commit `{record['commit']}` · {record['date']}" in rendered
+        assert path.name in rendered
+
+
+def _site_copy(tmp_path: Path, generated: Path) -> Path:
+    site = tmp_path / "project"
+    shutil.copytree(DOCS, site / "docs", ignore=shutil.ignore_patterns("generated"))
+    shutil.copytree(generated, site / "docs" / "generated")
+    for name in ("mkdocs.yml", "CHANGELOG.md"):
+        shutil.copy(ROOT / name, site / name)
+    return site
+
+
+def _build(site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site / "site")],
+        cwd=site, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+
+
+def test_the_site_builds_strict_and_a_broken_link_fails_it(tmp_path, generated):
+    site = _site_copy(tmp_path, generated)
+    built = _build(site)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert (site / "site" / "http-api" / "index.html").exists()
+    # The build is strict indeed: one link to a missing anchor fails it.
+    page = site / "docs" / "guarantees.md"
+    page.write_text(page.read_text() + "\n[nowhere](benchmarks.md#no-such-section)\n")
+    broken = _build(site)
+    assert broken.returncode != 0 and "no-such-section" in broken.stderr
