@@ -138,3 +138,14 @@ def test_the_site_builds_strict_and_a_broken_link_fails_it(tmp_path, generated):
     page.write_text(page.read_text() + "\n[nowhere](benchmarks.md#no-such-section)\n")
     broken = _build(site)
     assert broken.returncode != 0 and "no-such-section" in broken.stderr
+
+
+def test_the_readme_links_to_files_that_exist_and_carries_no_dates_or_commits():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
+        if "://" not in target:
+            assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", readme), "a date in the README: keep it in a record or the changelog"
+    assert not re.search(r"\b[0-9a-f]{7,40}\b", readme), "a commit hash in the README"
+    assert not re.search(r"\b\d\d:\d\d(–|-)\d\d:\d\d\b", readme), "a run window in the README"

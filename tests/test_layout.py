@@ -1,22 +1,21 @@
 """The architecture and the configuration hold their promises: the trainer side imports nothing of
-the server, every setting is defined once (flags, variables and the README come from one model),
-and the README lists the closed set of failure kinds."""
+the server, and every setting is defined once (flags, variables and the docs' tables come from one
+model). What the docs say is checked in tests/test_docs.py, against the code, not against wording."""
 
 from __future__ import annotations
 
 import argparse
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from rollout_service.flags import SettingsError, add_flags, markdown_table, settings_from
-from rollout_service.protocol import FAILURE_KINDS, POLICY_FAILURE_KINDS
+from refenv import cli as refenv_cli
+from refenv.config import Settings, TaskSuite, TeacherSettings
+from rollout_service.flags import SettingsError, add_flags, settings_from
 from rollout_service.server.config import ENV_PREFIX, ServiceConfig
+from rollout_service.tools import cli as service_cli
 from rollout_service.tools.measure import wilson_interval
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_the_trainer_side_imports_nothing_of_the_server():
@@ -69,18 +68,25 @@ def test_an_explicit_falsy_value_is_not_replaced_by_a_default():
     assert "--env (ROLLOUT_ENV): missing" in str(err.value) and "--model (ROLLOUT_MODEL): missing" in str(err.value)
 
 
-def test_readme_configuration_table_is_the_models():
-    assert markdown_table(ServiceConfig, ENV_PREFIX) in README.read_text()
+def _settings_read(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    """What the command's flags set (`--step` and `--no-step` both set `step`)."""
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {a.dest for a in sub.choices[command]._actions if a.option_strings and a.dest != "help"}
 
 
-def test_readme_lists_every_failure_kind_with_its_attribution():
-    text = README.read_text()
-    section = text[text.index("### Failure kinds") :]
-    for kind in FAILURE_KINDS:
-        attribution = "policy" if kind in POLICY_FAILURE_KINDS else "infrastructure"
-        row = next((line for line in section.splitlines() if line.startswith(f"| `{kind}` |")), None)
-        assert row is not None, f"README does not list failure kind {kind}"
-        assert f"| {attribution} |" in row, row
+@pytest.mark.parametrize(
+    "parser,command,models",
+    [
+        (service_cli.build_parser, "serve", [ServiceConfig]),
+        (refenv_cli.build_parser, "serve", [Settings]),
+        (refenv_cli.build_parser, "teacher", [TeacherSettings, TaskSuite]),
+    ],
+    ids=["rollout-service serve", "refenv serve", "refenv teacher"],
+)
+def test_every_flag_of_a_server_is_a_field_of_its_settings_model(parser, command, models):
+    """Settings defined once: the servers' flags set exactly their settings models' fields, so none is
+    added by hand beside the model (where its default, validation and docs would be a second copy)."""
+    assert _settings_read(parser(), command) == {name for model in models for name in model.model_fields}
 
 
 @pytest.mark.parametrize(
