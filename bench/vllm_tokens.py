@@ -1,7 +1,7 @@
 """Completion tokens/s of a running model server at a given concurrency: the same chat prompts, each
 request generating exactly `--tokens` tokens (ignore_eos), timed over `--rounds` rounds after one
 warm-up round. For comparing ways of running the same server (dtype, threads, executor): start it
-one way, measure, stop, start it the other way, measure; README, Benchmarks. With `--pid` (the
+one way, measure, stop, start it the other way, measure; docs/benchmarks.md. With `--pid` (the
 server's process: `rollout-service vllm` becomes it) each round also says how much CPU time the
 server and its child processes used, and the last line how much they used idle for 3 s after.
 

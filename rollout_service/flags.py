@@ -2,7 +2,7 @@
 
 Each setting is a field of a pydantic model, defined once: its type, default, bounds and help.
 From it come the `--flag` (the field name in kebab case), the environment variable (a prefix and
-the field name in upper case), the `--help` text and the README's configuration table. A value
+the field name in upper case), the `--help` text and the docs' configuration tables. A value
 is taken from the command line if given there (falsy values included), else from the
 environment, else the model's default; the model then validates it, so a bad value reads as
 one line naming the flag.
@@ -30,7 +30,7 @@ class Flag:
     metavar: str | None = None
     separator: str = ","  # between the items of a list given in one environment variable
     env: bool = True  # False: a flag only, no environment variable
-    default_text: str | None = None  # what --help and the README say the default is, when not the value
+    default_text: str | None = None  # what --help and the docs say the default is, when not the value
 
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -152,7 +152,7 @@ def describe(exc: ValidationError, env_prefix: str, model: type[BaseModel]) -> s
 
 
 def markdown_table(model: type[BaseModel], env_prefix: str) -> str:
-    """The README's configuration table for `model`."""
+    """The configuration table of `model` (docs/configuration.md is made of these)."""
     rows = ["| flag | env var | default | meaning |", "|---|---|---|---|"]
     for name, info in model.model_fields.items():
         meta = _meta(info)

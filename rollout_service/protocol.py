@@ -115,7 +115,7 @@ AttemptStatus = Literal[
 # the policy failed it (earning policy_failure_reward). Every other status is infrastructure's doing.
 GRADED_STATUSES: frozenset[str] = frozenset({"scored", "policy_failure"})
 
-# Every reason an attempt can end without the env's grade. A closed set: the README lists each.
+# Every reason an attempt can end without the env's grade. A closed set: docs/concepts.md lists each.
 FailureKind = Literal[
     # The policy's own doing: it counts as not passed, and earns the request's policy_failure_reward.
     "max_turns",  # the episode asked for more than max_turns completions

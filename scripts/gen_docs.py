@@ -14,6 +14,7 @@ docs/http-api.md and docs/configuration.md include them. Run by `make docs`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,15 @@ def _type(schema: dict[str, Any]) -> str:
     return str(kind or "any")
 
 
+def _number(value: Any) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
 def _bounds(schema: dict[str, Any]) -> str:
     marks = {"minimum": "≥", "exclusiveMinimum": ">", "maximum": "≤", "exclusiveMaximum": "<"}
-    parts = [f"{sign} {schema[key]}" for key, sign in marks.items() if key in schema]
+    parts = [f"{sign} {_number(schema[key])}" for key, sign in marks.items() if key in schema]
     for option in schema.get("anyOf", []):
-        parts += [f"{sign} {option[key]}" for key, sign in marks.items() if key in option]
+        parts += [f"{sign} {_number(option[key])}" for key, sign in marks.items() if key in option]
     return ", ".join(parts)
 
 
@@ -93,7 +98,7 @@ def _schema_table(name: str, schema: dict[str, Any]) -> list[str]:
     required = set(schema.get("required", []))
     lines += ["| field | type | default | bounds | description |", "|---|---|---|---|---|"]
     for field, spec in properties.items():
-        default = "required" if field in required else f"`{spec['default']}`" if "default" in spec else ""
+        default = "required" if field in required else f"`{json.dumps(spec['default'])}`" if "default" in spec else ""
         default = default.replace("|", "\\|")
         lines.append(
             f"| `{field}` | {_type(spec)} | {default} | {_bounds(spec)} | {_text(spec.get('description', ''))} |"
@@ -154,15 +159,20 @@ def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
 
 
+def _positionals(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
+
+
 def _argparse_table(parser: argparse.ArgumentParser) -> list[str]:
+    if not _options(parser) and not _positionals(parser):
+        return []
     lines = ["| flag | default | meaning |", "|---|---|---|"]
     for action in _options(parser):
         flag = ", ".join(action.option_strings) + (f" {action.metavar}" if action.metavar else "")
         default = "" if action.default in (None, argparse.SUPPRESS) else f"`{action.default}`"
         help_text = (action.help or "").replace("%%", "%") if action.help != argparse.SUPPRESS else ""
         lines.append(f"| `{flag}` | {_text(default)} | {_text(help_text)} |")
-    positional = [a for a in parser._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
-    for action in positional:
+    for action in _positionals(parser):
         lines.append(f"| `{action.metavar or action.dest}` (positional) | | {_text(action.help or '')} |")
     return lines
 

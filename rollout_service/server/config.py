@@ -1,6 +1,6 @@
 """The settings of `rollout-service serve`, each defined once here.
 
-Flags, `ROLLOUT_*` environment variables, `--help` and the README's configuration table are all
+Flags, `ROLLOUT_*` environment variables, `--help` and the docs' configuration page are all
 generated from `ServiceConfig` (see `rollout_service.flags`).
 """
 

@@ -33,7 +33,7 @@ def _add_serve(sub) -> None:
 # The service's heap is large and long-lived (each attempt in flight holds its turns' token ids), and
 # CPython's default collection (a young pass every 700 allocations, older passes scanning that heap)
 # took 3.4-3.9 ms of CPU per turn where these thresholds take 2.0-2.2 at 1,024 episodes in flight
-# (bench/ceiling.py). Full passes still run, every ~200M allocations.
+# (bench/ceiling.py; docs/benchmarks.md). Full passes still run, every ~200M allocations.
 GC_THRESHOLDS = (100_000, 20, 100)
 
 
@@ -408,7 +408,7 @@ def _add_ray(sub) -> None:
         "ray",
         help="run the stack on a Ray cluster: up, scale, status, down (needs the `ray` extra)",
         description="Place vLLM replicas, env servers and the service on an existing Ray cluster as named, "
-        "detached actors (see the README's Cluster section). Each command connects to the cluster at "
+        "detached actors (docs/operations.md, Ray). Each command connects to the cluster at "
         "--address, else $RAY_ADDRESS, else the local one.",
     )
     actions = p.add_subparsers(dest="action", required=True)

@@ -1,7 +1,7 @@
 """Several rollout services, each owning its own envs: every group goes to a service serving its task.
 
 One service process drives ~800-2,600 exact turns a second, by completion length and machine load
-(README: "The service's own ceiling"); a run that needs more starts several, each with envs of its
+(docs/benchmarks.md: "The service's own ceiling"); a run that needs more starts several, each with envs of its
 own (`--env`, or `rollout-service ray` deployments in separate namespaces), and spreads its groups
 with these clients. The task map comes
 from each service's GET /tasks, asked on first use and again when a task is not found; a task that
