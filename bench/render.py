@@ -3,7 +3,9 @@
     python bench/render.py [--out docs/generated]
 
 writes one Markdown file per benchmark, `bench-<benchmark>.md`: each record of it, newest first,
-as its title, its provenance (command, commit, machine, date) and a table of its rows. The
+as its title, its provenance (command, commit, machine, date) and a table of its rows; for a
+benchmark measured again as the code changed (HISTORY), the newest record, and in
+`bench-<benchmark>-history.md` one figure across all its records. The
 benchmarks page (docs/benchmarks.md) includes them, so its figures are the records' and nothing
 else. Run by `make docs`.
 """
@@ -94,6 +96,8 @@ def history(records: list[dict[str, Any]], keys: list[str], shown: list[str]) ->
     for configuration, cells in configurations.items():
         values = [_cell(v) for v in configuration] + [cells.get(i, "") for i in range(len(records))]
         lines.append("| " + " | ".join(values) + " |")
+    lines += ["", "The records, oldest first (each with its command and machine):", ""]
+    lines += [f"- `{r['commit']}` {r['date']}: {r['title']} (`bench/results/{r['_file']}`)" for r in records]
     return "\n".join(lines) + "\n"
 
 
@@ -105,9 +109,11 @@ def render(records: list[dict[str, Any]]) -> dict[str, str]:
     pages = {}
     for benchmark, items in by_benchmark.items():
         items.sort(key=lambda r: (r["date"], r["_file"]), reverse=True)
-        pages[f"bench-{benchmark}.md"] = "\n".join(render_record(r) for r in items)
-        if benchmark in HISTORY:
+        if benchmark in HISTORY:  # the newest in full; every record in the history's table
+            pages[f"bench-{benchmark}.md"] = render_record(items[0])
             pages[f"bench-{benchmark}-history.md"] = history(items, *HISTORY[benchmark])
+        else:
+            pages[f"bench-{benchmark}.md"] = "\n".join(render_record(r) for r in items)
     return pages
 
 
