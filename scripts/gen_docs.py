@@ -7,7 +7,8 @@ writes
   (`create_app(...).openapi()`), so the API is described once, by the code;
 - `configuration.md`: every command-line flag of `rollout-service` and `refenv`: the settings
   models' tables (`rollout_service.flags.markdown_table`: flag, variable, default, meaning) and,
-  for the commands without a settings model, their argparse definitions.
+  for the commands without a settings model, their argparse definitions; and every field of the
+  Ray deployment's file (`ClusterConfig`).
 docs/http-api.md and docs/configuration.md include them. Run by `make docs`.
 """
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from refenv import cli as refenv_cli  # noqa: E402
 from refenv.config import ENV_PREFIX as REFENV_PREFIX  # noqa: E402
 from refenv.config import TEACHER_ENV_PREFIX, Settings, TaskSuite, TeacherSettings  # noqa: E402
+from rollout_service.cluster.config import ClusterConfig  # noqa: E402
 from rollout_service.flags import markdown_table  # noqa: E402
 from rollout_service.server.app import create_app  # noqa: E402
 from rollout_service.server.config import ENV_PREFIX, ServiceConfig  # noqa: E402
@@ -203,6 +205,22 @@ def configuration_markdown() -> str:
     return "\n".join(lines)
 
 
+def cluster_file_markdown() -> str:
+    """The fields of `rollout-service ray --config FILE`, from its pydantic model."""
+    schema = ClusterConfig.model_json_schema()
+    lines = [
+        "## The Ray deployment's file",
+        "",
+        "`rollout-service ray ... --config FILE`: YAML, every field optional; a wrong one is refused with its name"
+        " before anything starts.",
+        "",
+        *_schema_table("ClusterConfig", schema),
+    ]
+    for name, spec in sorted(schema.get("$defs", {}).items()):
+        lines += _schema_table(name, spec)
+    return "\n".join(lines)
+
+
 def _model_flags(model: Any) -> set[str]:
     return {"--" + name.replace("_", "-") for name in model.model_fields}
 
@@ -213,7 +231,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "http-api.md").write_text(http_api_markdown(openapi()) + "\n")
-    (args.out / "configuration.md").write_text(configuration_markdown() + "\n")
+    (args.out / "configuration.md").write_text(configuration_markdown() + "\n\n" + cluster_file_markdown() + "\n")
     return 0
 
 

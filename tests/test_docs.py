@@ -65,6 +65,20 @@ def test_every_flag_of_every_command_is_on_the_configuration_page(generated, pro
         assert not missing, f"{command}: {missing} not on the configuration page"
 
 
+def test_every_field_of_the_ray_deployments_file_is_on_the_configuration_page(generated):
+    from rollout_service.cluster.config import ClusterConfig
+
+    page = (generated / "configuration.md").read_text()
+    models = [ClusterConfig, *(info.annotation for info in ClusterConfig.model_fields.values())]
+    for model in models:
+        if isinstance(model, type) and hasattr(model, "model_fields"):
+            anchor = f'<a id="schema-{model.__name__.lower()}">'
+            assert anchor in page, f"{model.__name__} has no table on the configuration page"
+            section = page[page.index(anchor) :]
+            missing = [name for name in model.model_fields if f"| `{name}` |" not in section.split("<a id=", 2)[1]]
+            assert not missing, f"{model.__name__}: {missing}"
+
+
 def test_every_route_is_on_the_http_api_page(generated):
     page = (generated / "http-api.md").read_text()
     app = create_app(ServiceConfig(env=["http://127.0.0.1:9"], vllm=["http://127.0.0.1:9"], model="m"))
