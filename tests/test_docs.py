@@ -170,3 +170,27 @@ def test_the_readme_links_to_files_that_exist_and_carries_no_dates_or_commits():
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", readme), "a date in the README: keep it in a record or the changelog"
     assert not re.search(r"\b[0-9a-f]{7,40}\b", readme), "a commit hash in the README"
     assert not re.search(r"\b\d\d:\d\d(–|-)\d\d:\d\d\b", readme), "a run window in the README"
+
+
+def test_a_record_a_benchmark_writes_is_rendered_with_its_provenance(tmp_path):
+    """bench/record.py as bench/compare.py --record uses it: nested results flattened into a row, the
+    command as typed, this checkout's commit and this machine; bench/render.py shows all of it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import record
+        import render
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    row = record.flat({"groups_per_s": 0.3, "pool": {"busy": 0.87, "max_held": 8}})
+    assert row == {"groups_per_s": 0.3, "pool.busy": 0.87, "pool.max_held": 8}
+    made = record.make("naive", "Against the naive driver", [row], argv=[str(ROOT / "bench/compare.py"), "naive"])
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert made["command"] == "bench/compare.py naive"
+    assert made["commit"].removesuffix("+dirty") == head.stdout.strip()
+    assert made["machine"]["cpus"] == os.cpu_count()
+    record.write(made, tmp_path / "naive.json")
+    (page,) = render.render(record.load_all(tmp_path)).values()
+    assert f"`bench/compare.py naive` · commit `{made['commit']}` · {made['date']}" in page
+    assert "| groups per s | pool.busy | pool.max held |" in page and "| 0.3 | 0.87 | 8 |" in page
+    with pytest.raises(ValueError, match="missing commit"):
+        record.check({k: v for k, v in made.items() if k != "commit"})
