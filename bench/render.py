@@ -29,8 +29,8 @@ def _cell(value: Any) -> str:
         return "yes" if value else "no"
     if isinstance(value, int):
         return f"{value:,}"
-    if isinstance(value, float):
-        return f"{value:,.3f}".rstrip("0").rstrip(".") if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, float):  # as measured: no digits added or dropped
+        return f"{int(value):,}" if value.is_integer() and abs(value) >= 1000 else f"{value:,}"
     if isinstance(value, list):
         return " / ".join(_cell(v) for v in value)
     if isinstance(value, dict):
