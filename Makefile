@@ -50,7 +50,7 @@ lint: setup
 docs: setup
 	$(BIN)/python scripts/gen_docs.py
 	$(BIN)/python bench/render.py
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The compose validator the tests use: Debian's docker-compose, installed where we may (root, apt).
 tools:
