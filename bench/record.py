@@ -126,11 +126,20 @@ def write(record: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return out
 
 
+def is_record(data: Any) -> bool:
+    """A record names its benchmark; other JSON under bench/results/ is a script's raw output that a
+    page cites by its path (it is not rendered)."""
+    return isinstance(data, dict) and "benchmark" in data
+
+
 def load_all(folder: Path = RESULTS) -> list[dict[str, Any]]:
     """Every record under `folder`, checked; ordered by benchmark, then date, then file name."""
     records = []
     for path in sorted(folder.glob("*.json")):
-        record = check(json.loads(path.read_text()), str(path))
+        data = json.loads(path.read_text())
+        if not is_record(data):
+            continue
+        record = check(data, str(path))
         record["_file"] = path.name
         records.append(record)
     return sorted(records, key=lambda r: (r["benchmark"], r["date"], r["_file"]))
