@@ -132,6 +132,29 @@ def is_record(data: Any) -> bool:
     return isinstance(data, dict) and "benchmark" in data
 
 
+def normalize(data: dict[str, Any]) -> dict[str, Any]:
+    """A record written by another script in a near shape, read as this module writes one: figures as a
+    list of rows, a machine as a string or without a description, a date with its time, no title."""
+    record = dict(data)
+    record.setdefault("title", record.get("what") or str(record.get("benchmark", "")).replace("_", " "))
+    machine = record.get("machine")
+    if isinstance(machine, str):
+        record["machine"] = {"description": machine}
+    elif isinstance(machine, dict) and not machine.get("description"):
+        record["machine"] = {**machine, "description": ", ".join(f"{k} {v}" for k, v in machine.items())}
+    if isinstance(record.get("date"), str):
+        record["date"] = record["date"][:10]
+    figures = record.get("figures")
+    if isinstance(figures, list):
+        record["figures"] = {"rows": [flat(row) if isinstance(row, dict) else {"value": row} for row in figures]}
+    elif isinstance(figures, dict) and "rows" not in figures:
+        record["figures"] = {"rows": [flat(figures)]}
+    note = record.get("note")
+    if note and isinstance(record["figures"], dict):
+        record["figures"].setdefault("notes", note)
+    return record
+
+
 def load_all(folder: Path = RESULTS) -> list[dict[str, Any]]:
     """Every record under `folder`, checked; ordered by benchmark, then date, then file name."""
     records = []
@@ -139,7 +162,7 @@ def load_all(folder: Path = RESULTS) -> list[dict[str, Any]]:
         data = json.loads(path.read_text())
         if not is_record(data):
             continue
-        record = check(data, str(path))
+        record = check(normalize(data), str(path))
         record["_file"] = path.name
         records.append(record)
     return sorted(records, key=lambda r: (r["benchmark"], r["date"], r["_file"]))
