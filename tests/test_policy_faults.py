@@ -27,8 +27,9 @@ from rollout_service.server.errors import RequestRefused
 from rollout_service.server.health import BackendMonitor
 from rollout_service.server.metrics import Metrics
 from rollout_service.server.policy import PolicyManager
-from rollout_service.server.runner import EnvHandle, GroupRunner, ModelRoute, TaskTarget
+from rollout_service.server.runner import GroupRunner
 from rollout_service.server.scheduler import EnvSlots, WorldScheduler
+from rollout_service.server.targets import EnvHandle, ModelRoute, TaskTarget
 
 ENV = "http://env"
 OBS = {"messages": [{"role": "user", "content": "q"}], "stage": "executor"}

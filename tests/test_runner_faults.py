@@ -15,8 +15,9 @@ from inference.replicas import ReplicaPool
 from rollout_service.protocol import EnvContract, GroupRequest
 from rollout_service.server.env_client import EnvClient
 from rollout_service.server.metrics import Metrics
-from rollout_service.server.runner import EnvHandle, GroupRunner, ModelRoute, TaskTarget
+from rollout_service.server.runner import GroupRunner
 from rollout_service.server.scheduler import EnvSlots, WorldScheduler
+from rollout_service.server.targets import EnvHandle, ModelRoute, TaskTarget
 
 ENV = "http://env"
 

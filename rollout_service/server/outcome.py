@@ -18,6 +18,7 @@ from ..protocol import (
     Turn,
 )
 from .env_client import StepAnswer
+from .failures import Unscorable
 from .policy import PolicyManager
 from .targets import ModelRoute, TaskTarget
 
@@ -39,34 +40,31 @@ def status_of(failure: Failure) -> AttemptStatus:
     return "inference_failure"
 
 
-def fail(attempt: Attempt, kind: FailureKind, detail: str) -> None:
-    attempt.failure = Failure.of(kind, detail)
-    attempt.status = status_of(attempt.failure)
+def fail(attempt: Attempt, failure: Failure) -> None:
+    attempt.failure, attempt.status = failure, status_of(failure)
 
 
 def fail_stale(attempt: Attempt, why: str) -> None:
     """The attempt fell further behind the policy than its request allows: whatever grade it had is
     dropped (a stale grade must not reach the trainer) and it fails as stale."""
     attempt.reward = attempt.pass_ = attempt.score = attempt.answer = None
-    fail(attempt, "stale", why)
+    fail(attempt, Failure.of("stale", why))
 
 
-def failed(index: int, kind: FailureKind, detail: str) -> Attempt:
+def failed(index: int, failure: Failure) -> Attempt:
     attempt = Attempt(index=index, status="internal_error")
-    fail(attempt, kind, detail)
+    fail(attempt, failure)
     return attempt
 
 
 def score(attempt: Attempt, answer: StepAnswer) -> None:
-    """Classify a finished episode: scored, or unscorable with the env's reason."""
+    """Grade a finished episode; raises `Unscorable` with the env's reason when the env could not."""
     attempt.score, attempt.answer = answer.score, answer.answer
     category = answer.failure_category
     if category in UNSCORABLE_CATEGORIES or answer.status == "abandoned":
         detail = (answer.score or {}).get("failure_detail") or f"the episode ended with failure_category={category}"
-        fail(
-            attempt, cast(FailureKind, category) if category in UNSCORABLE_CATEGORIES else "env_abandoned", str(detail)
-        )
-        return
+        kind = cast(FailureKind, category) if category in UNSCORABLE_CATEGORIES else "env_abandoned"
+        raise Unscorable(kind, str(detail))
     # Graded, perhaps with a policy-side failure category (a wrong answer): a real grade.
     attempt.status, attempt.failure = "scored", None
     attempt.reward = float(answer.reward or 0.0)

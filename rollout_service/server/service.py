@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .admission import Admission
+from .attempt import RunnerConfig
 from .backend_address import AllowedBackends
 from .config import ServiceConfig
 from .env_client import EnvClient
@@ -25,7 +26,7 @@ from .health_detail import Health
 from .metrics import Metrics
 from .replicas import ReplicaRegistry
 from .runlog import RunLog
-from .runner import GroupRunner, RunnerConfig
+from .runner import GroupRunner
 from .scheduler import WorldScheduler
 from .startup import Lifecycle
 from .tasks import all_or_none
