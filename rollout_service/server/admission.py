@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 
-from ..protocol import GroupRequest
+from ..protocol import GroupRequest, GroupResult
 from .config import ServiceConfig
 from .envs import EnvRegistry
 from .errors import Conflict, Invalid, NotFound, RequestRefused, TooBusy, Unavailable
@@ -39,6 +40,7 @@ class Admission:
         self.run_log = run_log
         self.queued_attempts = 0  # attempts accepted and not finished, across all requests
         self.running: set[asyncio.Task] = set()
+        self.on_result: Callable[[GroupResult], None] | None = None  # every finished group (task stats)
         self._cancellers: set[asyncio.Task] = set()
 
     def resolve(self, request: GroupRequest) -> tuple[TaskTarget, ModelRoute]:
@@ -147,6 +149,8 @@ class Admission:
             result = await runner.run_group(request, target, route, sequence, self.run_id, share)
         finally:
             self.metrics.groups_in_flight.dec()
+        if self.on_result is not None:
+            self.on_result(result)
         body = group_json(result)
         if self.run_log is not None:
             self.run_log.append(body)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..protocol import (
     BatchRequest,
@@ -37,6 +37,7 @@ from ..protocol import (
 from .errors import Invalid, shutting_down
 from .health_detail import HealthDetail
 from .service import RolloutService
+from .stream_out import BoundedStream, HeldResults
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -107,7 +108,7 @@ async def post_group(body: GroupRequest, request: Request) -> Response:
     summary="Run many groups; stream each as it finishes",
     response_description="NDJSON: one line per group, {index, group} or {index, error}",
 )
-async def post_batch(body: BatchRequest, request: Request) -> StreamingResponse:
+async def post_batch(body: BatchRequest, request: Request) -> Response:
     service = _service(request)
     if len(body.groups) > service.config.max_batch:
         raise Invalid(
@@ -117,11 +118,15 @@ async def post_batch(body: BatchRequest, request: Request) -> StreamingResponse:
         )
     tasks = service.admission.start_groups(body.groups)
     sizes = [g.n for g in body.groups]
-    return StreamingResponse(_stream(request, service, tasks, sizes), media_type="application/x-ndjson")
+    held = HeldResults(service)  # finished, unsent groups count against the queue cap (server/stream_out.py)
+    for task, size in zip(tasks, sizes, strict=True):
+        held.hold_when_done(task, size)
+    lines = _stream(request, service, tasks, sizes, held)
+    return BoundedStream(lines, service.config.stream_stall_timeout, "POST /groups/batch")
 
 
 async def _stream(
-    request: Request, service: RolloutService, tasks: list[asyncio.Task[bytes]], sizes: list[int]
+    request: Request, service: RolloutService, tasks: list[asyncio.Task[bytes]], sizes: list[int], held: HeldResults
 ) -> AsyncIterator[bytes]:
     """Each group's line as it finishes; a finished group is dropped here once sent."""
     pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
@@ -134,14 +139,18 @@ async def _stream(
                 return  # the trainer went away: the finally below abandons everything
             for task in done:
                 index = pending.pop(task)
+                sent = 0  # attempts held (a finished group) until its line is written
                 if task.cancelled():
                     line = _error_line(index, "cancelled", "the group was cancelled (the service is shutting down)")
                 elif (exc := task.exception()) is not None:
                     line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
                 else:  # ~1 MB for 8 exact attempts: copied once here
                     line = b'{"index": %d, "group": %b}' % (index, task.result())
+                    sent = sizes[index]
                 yield line + b"\n"
+                held.release(sent)
     finally:
+        held.close()
         watcher.cancel()
         # Handed to the service rather than awaited here: a disconnect cancels every await of this
         # generator's cleanup, which would cut the slicing short.

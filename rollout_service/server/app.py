@@ -22,6 +22,7 @@ from .errors import (
     BackendFailed,
     BackendTimedOut,
     Conflict,
+    Gone,
     Invalid,
     NotFound,
     RequestRefused,
@@ -30,6 +31,7 @@ from .errors import (
     Unavailable,
 )
 from .middleware import BodyLimit, error_response
+from .sampler_api import router as sampler_router
 from .service import RolloutService
 
 log = logging.getLogger("rollout_service.app")
@@ -79,6 +81,7 @@ HTTP_STATUS: dict[type[RequestRefused], int] = {
     NotFound: 404,
     Conflict: 409,
     Invalid: 422,
+    Gone: 410,
     TooBusy: 429,
     BackendFailed: 502,
     Unavailable: 503,
@@ -145,6 +148,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     )
     app.state.service = service
     app.include_router(router)
+    app.include_router(sampler_router)
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestRefused, _refused)  # type: ignore[arg-type]

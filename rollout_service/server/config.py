@@ -113,6 +113,12 @@ class ServiceConfig(BaseModel):
         description="most attempts accepted and not yet finished, across all requests; a request that would "
         "pass it gets 429 with Retry-After, one with more attempts than the cap itself 422 too_many_attempts",
     )
+    stream_stall_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        120.0,
+        gt=0,
+        description="an NDJSON answer (POST /groups/batch, /groups/sample, a sampler pull) whose reader takes "
+        "nothing for this long is cut off: its queued and running groups are cancelled, worlds released",
+    )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="request bodies over this get 413")
     max_answer_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
         DEFAULT_MAX_ANSWER_BYTES,

@@ -43,6 +43,10 @@ class Unavailable(RequestRefused):
     """The service cannot serve it now (starting, shutting down, every env draining)."""
 
 
+class Gone(RequestRefused):
+    """It names something this service had and no longer has (a sampler stream deleted or expired)."""
+
+
 class BackendFailed(RequestRefused):
     """A backend asked on the request's behalf failed (a policy update no replica took)."""
 

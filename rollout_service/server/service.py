@@ -27,8 +27,10 @@ from .metrics import Metrics
 from .replicas import ReplicaRegistry
 from .runlog import RunLog
 from .runner import GroupRunner
+from .sampler_streams import SamplerStreams
 from .scheduler import WorldScheduler
 from .startup import Lifecycle
+from .task_stats import TaskStatsBook
 from .tasks import all_or_none
 
 log = logging.getLogger("rollout_service.service")
@@ -58,6 +60,10 @@ class RolloutService:
             config, self.lifecycle, self.envs, self.replicas, self.metrics, self.run_id, self.run_log
         )
         self.health = Health(self.lifecycle, self.envs, self.replicas, self.admission, self.run_log, self.run_id)
+        # The sampler's rooms: difficulty per task and version (fed by every group), and the streams.
+        self.task_stats = TaskStatsBook(self.replicas.versions, self.metrics)
+        self.admission.on_result = self.task_stats.record
+        self.samplers = SamplerStreams(self)
 
     async def start(self, say: Callable[[str], None] = log.info) -> None:
         """Wait for every env and model server to answer, then check that they fit together.
@@ -121,6 +127,7 @@ class RolloutService:
 
     async def close(self) -> None:
         self.cancel_running()
+        await self.samplers.close()  # streams end, their buffers are released
         if self.admission.running:
             await asyncio.wait(set(self.admission.running), timeout=30)
         if self.lifecycle.runner is not None:

@@ -40,6 +40,15 @@ from ..protocol import (
     describe_errors,
 )
 from ..retry import Backoff
+from ..sampler_protocol import (
+    DroppedGroup,
+    SampleRequest,
+    SampleSummary,
+    StreamCreate,
+    StreamPull,
+    StreamState,
+    TaskStats,
+)
 
 __all__ = [
     "RolloutClient",
@@ -51,6 +60,7 @@ __all__ = [
     "ServiceUnavailable",
     "ServiceStarting",
     "GroupFailed",
+    "Sampled",
 ]
 
 
@@ -100,6 +110,47 @@ class BatchItem:
     index: int
     group: GroupResult | None
     error: GroupFailed | None
+
+
+@dataclass
+class Sampled:
+    """A sample's (or a pull's) answer: the groups kept, in the order they finished; the dropped
+    groups' lines; the summary (why it stopped, what was spent). A pull also says each group's lag."""
+
+    groups: list[GroupResult]
+    dropped: list[DroppedGroup]
+    summary: SampleSummary
+    lags: list[int]
+
+
+class _SampleReader:
+    """The lines of a sample or a pull, gathered."""
+
+    def __init__(self) -> None:
+        self.groups: list[GroupResult] = []
+        self.dropped: list[DroppedGroup] = []
+        self.lags: list[int] = []
+        self.summary: SampleSummary | None = None
+
+    def add(self, line: str) -> None:
+        if not line.strip():
+            return
+        item = json.loads(line)
+        if "group" in item:
+            self.groups.append(GroupResult.model_validate(item["group"]))
+            if "lag" in item:
+                self.lags.append(item["lag"])
+        elif "dropped" in item:
+            self.dropped.append(DroppedGroup.model_validate(item["dropped"]))
+        elif "summary" in item:
+            self.summary = SampleSummary.model_validate(item["summary"])
+
+    def result(self) -> Sampled:
+        if self.summary is None:
+            raise ServiceUnavailable(
+                None, "stream_cut", f"the answer ended without its summary line after {len(self.groups)} groups"
+            )
+        return Sampled(self.groups, self.dropped, self.summary, self.lags)
 
 
 # What wait_ready() waits through: nothing listening yet, a 5xx or 429 (a proxy in front of a
@@ -165,6 +216,10 @@ class _BaseClient:
     @staticmethod
     def _body(model: type[BaseModel], **fields: Any) -> dict:
         return _checked(model, fields).model_dump()
+
+    @staticmethod
+    def _body_json(model: type[BaseModel], fields: dict[str, Any]) -> dict:
+        return _checked(model, fields).model_dump(mode="json", exclude_none=True)
 
     @staticmethod
     def _update_body(version: str, lora: str | None, weights: str | None) -> dict:
@@ -379,6 +434,44 @@ class RolloutClient(_BaseClient):
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
 
+    def sample(self, **fields: Any) -> Sampled:
+        """POST /groups/sample: `count` groups with signal (see SampleRequest for the fields)."""
+        return self._sampled("/groups/sample", self._body_json(SampleRequest, fields))
+
+    def open_stream(self, **fields: Any) -> StreamState:
+        """POST /samplers: a stream generating into a bounded buffer (see StreamCreate)."""
+        response = self._http.post("/samplers", json=self._body_json(StreamCreate, fields))
+        self._raise_for(response)
+        return StreamState.model_validate_json(response.content)
+
+    def pull(self, stream_id: str, count: int, *, timeout_s: float = 3600) -> Sampled:
+        """`count` groups from a stream, each with its lag. RequestRejected 410/404 once it is gone."""
+        body = self._body_json(StreamPull, {"count": count, "timeout_s": timeout_s})
+        return self._sampled(f"/samplers/{stream_id}/pull", body)
+
+    def stream_state(self, stream_id: str) -> StreamState:
+        return StreamState.model_validate(self._get(f"/samplers/{stream_id}"))
+
+    def close_stream(self, stream_id: str) -> StreamState:
+        response = self._http.delete(f"/samplers/{stream_id}")
+        self._raise_for(response)
+        return StreamState.model_validate_json(response.content)
+
+    def task_stats(self, task_ids: list[str] | None = None) -> list[TaskStats]:
+        response = self._http.get("/tasks/stats", params={"task_id": task_ids} if task_ids else None)
+        self._raise_for(response)
+        return [TaskStats.model_validate(t) for t in response.json()]
+
+    def _sampled(self, path: str, body: dict) -> Sampled:
+        reader = _SampleReader()
+        with self._http.stream("POST", path, json=body) as response:
+            if response.status_code >= 400:
+                response.read()
+                self._raise_for(response)
+            for line in response.iter_lines():
+                reader.add(line)
+        return reader.result()
+
     def _get(self, path: str, headers: dict[str, str] | None = None) -> Any:
         response = self._http.get(path, headers=headers)
         self._raise_for(response)
@@ -499,6 +592,41 @@ class AsyncRolloutClient(_BaseClient):
         response = await self._http.post("/replicas/remove", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
+
+    async def sample(self, **fields: Any) -> Sampled:
+        return await self._sampled("/groups/sample", self._body_json(SampleRequest, fields))
+
+    async def open_stream(self, **fields: Any) -> StreamState:
+        response = await self._http.post("/samplers", json=self._body_json(StreamCreate, fields))
+        self._raise_for(response)
+        return StreamState.model_validate_json(response.content)
+
+    async def pull(self, stream_id: str, count: int, *, timeout_s: float = 3600) -> Sampled:
+        body = self._body_json(StreamPull, {"count": count, "timeout_s": timeout_s})
+        return await self._sampled(f"/samplers/{stream_id}/pull", body)
+
+    async def stream_state(self, stream_id: str) -> StreamState:
+        return StreamState.model_validate(await self._get(f"/samplers/{stream_id}"))
+
+    async def close_stream(self, stream_id: str) -> StreamState:
+        response = await self._http.delete(f"/samplers/{stream_id}")
+        self._raise_for(response)
+        return StreamState.model_validate_json(response.content)
+
+    async def task_stats(self, task_ids: list[str] | None = None) -> list[TaskStats]:
+        response = await self._http.get("/tasks/stats", params={"task_id": task_ids} if task_ids else None)
+        self._raise_for(response)
+        return [TaskStats.model_validate(t) for t in response.json()]
+
+    async def _sampled(self, path: str, body: dict) -> Sampled:
+        reader = _SampleReader()
+        async with self._http.stream("POST", path, json=body) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                self._raise_for(response)
+            async for line in response.aiter_lines():
+                reader.add(line)
+        return reader.result()
 
     async def _get(self, path: str, headers: dict[str, str] | None = None) -> Any:
         response = await self._http.get(path, headers=headers)

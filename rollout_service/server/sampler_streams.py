@@ -1,0 +1,301 @@
+"""Sampler streams: generation while the trainer trains (POST /samplers, .../pull, DELETE).
+
+A stream keeps up to `buffer` groups buffered or running, so groups for step k+1 are generated
+while the trainer computes step k. Every buffered group is checked against `max_staleness` when it
+is handed out: one that fell further behind (policy updates landed while it waited) is dropped,
+counted, and replaced. Buffered groups count against --max-queued-attempts until handed out.
+
+Streams live in the service's memory: after a restart, or once deleted or expired (no pull for
+`idle_timeout_s`), a pull is told so plainly (410 with the reason; 404 for an id this process never
+made, naming a restart as the likely cause).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter, OrderedDict, deque
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge, Histogram
+
+from ..sampler_protocol import DroppedGroup, SampleSummary, StreamCreate, StreamState
+from .errors import Gone, NotFound
+from .sampler import Finished, Sampler
+from .stream_out import HeldResults
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
+    from .service import RolloutService
+
+log = logging.getLogger("rollout_service.samplers")
+
+_GONE_KEPT = 1024  # ids of closed streams remembered, to answer 410 with the reason
+_REAP_EVERY_S = 1.0
+_DROPS_KEPT = 256  # dropped-group lines a stream keeps for its next pull
+
+
+class SamplerMetrics:
+    def __init__(self, metrics: Metrics, streams: SamplerStreams) -> None:
+        r = metrics.registry
+        self.dropped = PromCounter(
+            "rollout_sampler_dropped_groups",
+            "Groups the sampler ran and did not keep, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.kept = PromCounter("rollout_sampler_kept_groups", "Groups the sampler kept", registry=r)
+        self.lag = Histogram(
+            "rollout_sampler_handed_lag",
+            "Policy updates each group a stream handed out was behind the current version",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+            registry=r,
+        )
+        self.buffered = Gauge("rollout_sampler_buffered_groups", "Groups buffered in sampler streams", registry=r)
+        self.buffered.set_function(lambda: sum(len(s.buffer) for s in streams.streams.values()))
+        self.bound = Gauge("rollout_sampler_buffer_bound", "Sum of the sampler streams' buffer bounds", registry=r)
+        self.bound.set_function(lambda: sum(s.body.buffer for s in streams.streams.values()))
+        self.open = Gauge("rollout_sampler_streams", "Sampler streams open", registry=r)
+        self.open.set_function(lambda: len(streams.streams))
+
+
+def summary(sampler: Sampler, requested: int, kept: int, stopped: str, cancelled: int, **extra) -> SampleSummary:
+    t = sampler.tally
+    return SampleSummary(
+        requested=requested,
+        kept=kept,
+        complete=kept >= requested,
+        stopped=stopped,
+        groups_run=t.groups_run,
+        groups_cancelled=cancelled,
+        dropped=dict(t.dropped),
+        attempts_dropped=t.attempts_dropped,
+        completion_tokens_dropped=t.completion_tokens_dropped,
+        skipped_tasks=t.skipped_lists(),
+        budget=sampler.budget,
+        **extra,
+    )
+
+
+def dropped_line(dropped: DroppedGroup) -> bytes:
+    return b'{"dropped": %b}\n' % dropped.model_dump_json().encode()
+
+
+def summary_line(text: SampleSummary) -> bytes:
+    return b'{"summary": %b}\n' % text.model_dump_json(exclude_none=True).encode()
+
+
+class SamplerStream:
+    def __init__(self, service: RolloutService, body: StreamCreate, stream_id: str, metrics: SamplerMetrics) -> None:
+        self.id = stream_id
+        self.service = service
+        self.body = body
+        self.metrics = metrics
+        self.held = HeldResults(service)
+        self.buffer: deque[Finished] = deque()
+        self.drops: deque[DroppedGroup] = deque(maxlen=_DROPS_KEPT)
+        self.lag_histogram: Counter[int] = Counter()
+        self.handed = 0
+        self.last_used = time.monotonic()
+        self.pulling = False
+        self._changed = asyncio.Event()
+        self.sampler = Sampler(service, body, body.max_groups, self._room, self.held)
+        self.sampler.check_first()
+        self.producer = asyncio.ensure_future(self._produce())
+
+    def _room(self) -> int:
+        return self.body.buffer - len(self.buffer) - len(self.sampler.running)
+
+    async def _produce(self) -> None:
+        while True:
+            item = await self.sampler.next()
+            if item is None:
+                break
+            if item.body is not None:
+                self.buffer.append(item)
+                self.metrics.kept.inc()
+            else:
+                assert item.dropped is not None
+                self.drops.append(item.dropped)
+                self.metrics.dropped.labels(reason=item.dropped.reason).inc()
+            self._changed.set()
+        self._changed.set()
+
+    @property
+    def stopped(self) -> str | None:
+        """Why production is over, once it is."""
+        if not self.producer.done():
+            return None
+        if self.sampler.budget_spent():
+            return f"budget spent: max_groups={self.sampler.budget} groups run"
+        return self.sampler.stopped or "stopped"
+
+    def lag_of(self, item: Finished) -> int:
+        return self.service.replicas.versions.behind(item.oldest_version) if item.oldest_version else 0
+
+    async def pull(self, count: int, timeout_s: float) -> AsyncIterator[bytes]:
+        """NDJSON: `count` groups ({"lag", "group"}), the dropped groups' lines as they come, then the
+        summary. Fewer only when production stopped or `timeout_s` passed, and the summary says which."""
+        deadline = time.monotonic() + timeout_s
+        lags: list[int] = []
+        stopped = None
+        try:
+            while len(lags) < count:
+                while self.drops:
+                    yield dropped_line(self.drops.popleft())
+                if self.buffer:
+                    item = self.buffer.popleft()
+                    self.sampler.wake()
+                    lag = self.lag_of(item)
+                    bound = self.body.max_staleness
+                    if bound is not None and lag > bound:
+                        self.held.release(item.attempts)
+                        stale = DroppedGroup(
+                            task_id=item.task_id,
+                            group_id=item.group_id,
+                            reason="stale",
+                            detail=f"its oldest turn (version {item.oldest_version}) is {lag} updates behind "
+                            f"{self.service.replicas.versions.current.label} (max_staleness={bound}): dropped, "
+                            "replaced",
+                            attempts=item.attempts,
+                        )
+                        self.sampler.count_dropped(stale)
+                        self.metrics.dropped.labels(reason="stale").inc()
+                        yield dropped_line(stale)
+                        continue
+                    assert item.body is not None
+                    line = b'{"lag": %d, "group": %b}\n' % (lag, item.body)
+                    attempts = item.attempts
+                    del item
+                    yield line
+                    self.held.release(attempts)
+                    lags.append(lag)
+                    self.handed += 1
+                    self.lag_histogram[lag] += 1
+                    self.metrics.lag.observe(lag)
+                    continue
+                if self.stopped is not None:
+                    stopped = self.stopped
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    stopped = f"timeout_s={timeout_s:g} passed with {len(lags)} of {count} groups handed out"
+                    break
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except TimeoutError:
+                    pass
+            while self.drops:
+                yield dropped_line(self.drops.popleft())
+            yield summary_line(
+                summary(
+                    self.sampler,
+                    count,
+                    len(lags),
+                    stopped or "count reached",
+                    0,
+                    lags=lags,
+                    lag_histogram={str(k): v for k, v in sorted(self.lag_histogram.items())},
+                    buffer={
+                        "bound": self.body.buffer,
+                        "buffered": len(self.buffer),
+                        "running": len(self.sampler.running),
+                    },
+                    policy_version=self.service.replicas.versions.current.label,
+                )
+            )
+        finally:
+            self.pulling = False
+            self.last_used = time.monotonic()
+
+    def state(self) -> StreamState:
+        return StreamState(
+            id=self.id,
+            buffer_bound=self.body.buffer,
+            buffered=len(self.buffer),
+            running=len(self.sampler.running),
+            handed_out=self.handed,
+            dropped=dict(self.sampler.tally.dropped),
+            skipped_tasks=self.sampler.tally.skipped_lists(),
+            lag_histogram={str(k): v for k, v in sorted(self.lag_histogram.items())},
+            max_staleness=self.body.max_staleness,
+            groups_run=self.sampler.tally.groups_run,
+            budget=self.sampler.budget,
+            idle_timeout_s=self.body.idle_timeout_s,
+            idle_s=round(0.0 if self.pulling else time.monotonic() - self.last_used, 3),
+            stopped=self.stopped,
+        )
+
+    async def close(self) -> None:
+        """Stop producing, cancel what runs (worlds released), drop the buffer."""
+        self.producer.cancel()
+        await asyncio.wait([self.producer])
+        self.sampler.close()
+        self.buffer.clear()
+        self.held.close()
+
+
+class SamplerStreams:
+    """The streams of one service, by id."""
+
+    def __init__(self, service: RolloutService) -> None:
+        self.service = service
+        self.streams: dict[str, SamplerStream] = {}
+        self.gone: OrderedDict[str, str] = OrderedDict()
+        self.metrics = SamplerMetrics(service.metrics, self)
+        self._reaper: asyncio.Task | None = None
+
+    def create(self, body: StreamCreate) -> SamplerStream:
+        if body.max_staleness is not None and "max_staleness" not in body.group:
+            # The runner bounds it while the group runs; the hand-out check, while it waits.
+            body = body.model_copy(update={"group": {**body.group, "max_staleness": body.max_staleness}})
+        stream_id = f"s-{uuid.uuid4().hex[:16]}"
+        stream = SamplerStream(self.service, body, stream_id, self.metrics)
+        self.streams[stream_id] = stream
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.ensure_future(self._reap())
+        return stream
+
+    def get(self, stream_id: str) -> SamplerStream:
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            return stream
+        why = self.gone.get(stream_id)
+        if why is not None:
+            raise Gone("sampler_gone", f"sampler stream {stream_id} is gone: {why}. Create a new one")
+        raise NotFound(
+            "unknown_sampler",
+            f"no sampler stream {stream_id} here: streams live in the service's memory, so after a restart "
+            f"(this one has run {time.time() - self.service.lifecycle.started_at:.0f}s) every earlier stream is gone. "
+            "Create a new one with POST /samplers",
+        )
+
+    async def remove(self, stream_id: str, why: str) -> SamplerStream:
+        stream = self.get(stream_id)
+        del self.streams[stream_id]
+        self.gone[stream_id] = why
+        while len(self.gone) > _GONE_KEPT:
+            self.gone.popitem(last=False)
+        await stream.close()
+        return stream
+
+    async def _reap(self) -> None:
+        while self.streams:
+            await asyncio.sleep(_REAP_EVERY_S)
+            now = time.monotonic()
+            for stream in list(self.streams.values()):
+                idle = now - stream.last_used
+                if not stream.pulling and idle > stream.body.idle_timeout_s:
+                    log.warning("sampler stream %s expired: no pull for %.0fs", stream.id, idle)
+                    await self.remove(stream.id, f"expired: no pull for idle_timeout_s={stream.body.idle_timeout_s:g}s")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for stream_id in list(self.streams):
+            await self.remove(stream_id, "the service shut down")

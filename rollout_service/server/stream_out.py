@@ -1,0 +1,126 @@
+"""NDJSON answers whose reader may stop reading (the batch stream, the sampler and its pulls).
+
+Two bounds. A finished group waiting to be sent counts against --max-queued-attempts until its line is
+written (`HeldResults`): a reader that does not keep up holds the queue's room, not memory outside
+every cap. And a line that cannot be written for --stream-stall-timeout (the reader took nothing
+meanwhile: the socket's buffers are full) cuts the answer off (`BoundedStream`): the generator is
+closed at once, and its `finally` cancels what it still runs (worlds released; groups that finished
+are in the run log already).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Send
+
+if TYPE_CHECKING:
+    from .service import RolloutService
+
+log = logging.getLogger("rollout_service.stream")
+
+
+class HeldResults:
+    """Attempts of finished groups that wait for a reader, counted in the service's queued attempts
+    (which a group leaves when it finishes) until they are sent or dropped."""
+
+    def __init__(self, service: RolloutService) -> None:
+        self.service = service
+        self.attempts = 0
+        self.closed = False
+
+    def hold_when_done(self, task: asyncio.Future, attempts: int) -> None:
+        """Count `task`'s attempts again as soon as it finishes with a result (the service's own
+        callback, added before this one, has just uncounted them)."""
+
+        def held(done: asyncio.Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self.hold(attempts)
+
+        task.add_done_callback(held)
+
+    def hold(self, attempts: int) -> None:
+        if self.closed:  # finished as its reader went: nothing will wait for it
+            return
+        self.attempts += attempts
+        self.service.admission.queued_attempts += attempts
+
+    def release(self, attempts: int) -> None:
+        attempts = min(attempts, self.attempts)
+        self.attempts -= attempts
+        self.service.admission.queued_attempts -= attempts
+
+    def close(self) -> None:
+        """Nothing more will be sent: release what is held, and hold nothing that finishes later."""
+        self.closed = True
+        self.release(self.attempts)
+
+
+class BoundedStream(StreamingResponse):
+    """A StreamingResponse that gives up on a reader which takes nothing for `stall_timeout_s`, and
+    (given the request) stops its generator as soon as the client goes away, even while no line is
+    due. `on_end` runs however it ends."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        stall_timeout_s: float,
+        what: str,
+        request: Request | None = None,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(content, media_type="application/x-ndjson")
+        self.iterator = content
+        self.stall_timeout_s = stall_timeout_s
+        self.what = what
+        self.request = request
+        self.on_end = on_end
+        self.stalled = False
+
+    async def stream_response(self, send: Send) -> None:
+        watcher = asyncio.ensure_future(_disconnected(self.request)) if self.request is not None else None
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            while True:
+                step = asyncio.ensure_future(anext(self.iterator))
+                await asyncio.wait([step, *([watcher] if watcher else [])], return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():  # the client went away: stop the generator where it waits
+                    step.cancel()
+                    await asyncio.wait([step])
+                    return
+                try:
+                    chunk = step.result()
+                except StopAsyncIteration:
+                    break
+                message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                try:
+                    await asyncio.wait_for(send(message), self.stall_timeout_s)
+                except TimeoutError:
+                    self.stalled = True
+                    log.warning(
+                        "%s: the reader took nothing for %gs (--stream-stall-timeout): cut off, its groups cancelled",
+                        self.what,
+                        self.stall_timeout_s,
+                    )
+                    return  # the server closes the connection: the answer is incomplete
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            # Now, not when the generator is collected: its `finally` cancels the groups it still runs.
+            await self.iterator.aclose()  # type: ignore[attr-defined]
+            if self.on_end is not None:
+                self.on_end()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away (after the body is read, receive() waits for that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
