@@ -217,6 +217,13 @@ class GroupRequest(BaseModel):
         None, description="no longer accepted: the service records the version of every turn itself", exclude=True
     )
     group_id: str | None = Field(None, max_length=200, description="echoed back; default: generated")
+    pin_version: str | None = Field(
+        None,
+        max_length=100,
+        description="evaluation on a pinned version: every policy turn runs on this version (one the service "
+        "still serves: the current one, or an adapter kept loaded while pinned) whatever updates land meanwhile; "
+        "max_staleness does not apply. 404 unknown_version, 409 version_not_served (its weights were replaced)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GroupRequest:

@@ -82,6 +82,10 @@ class Admission:
                     f"model {request.model!r} is not served here; known: {known} (--model, --model-endpoint)",
                 )
             route = named
+        if request.pin_version is not None:  # evaluation on a pinned version (server/policy.py)
+            if route is not policy:
+                raise Invalid("pin_not_policy", "pin_version names a policy version: leave model out")
+            self.replicas.versions.check_pin(request.pin_version)
         if request.tokens == "exact" and (route.renderer is None or route.renderer.unsupported):
             why = route.renderer.unsupported if route.renderer else "it was configured with token-ids=false"
             raise Invalid(

@@ -60,7 +60,7 @@ class RunnerParts:
     def stale_reason(self, request: GroupRequest, attempt: Attempt) -> str | None:
         """Why the attempt's oldest turn is further behind the current policy than the bound, or None."""
         bound = request.max_staleness if request.max_staleness is not None else self.config.max_staleness
-        if bound is None or self.versions is None:
+        if bound is None or self.versions is None or request.pin_version is not None:  # a pin stays behind
             return None
         labels = [t.policy_version for t in attempt.turns if t.policy_version is not None]
         if not labels:
@@ -303,7 +303,7 @@ class AttemptRun:
         lease = None
         if versions is not None and route is parts.policy:
             t.waiting_for_policy = True
-            lease = await versions.lease()
+            lease = await versions.lease(request.pin_version)
             t.waiting_for_policy = False
         ended_on = None
         started = time.monotonic()

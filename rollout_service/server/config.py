@@ -139,6 +139,12 @@ class ServiceConfig(BaseModel):
         description="policy updates an attempt's oldest turn may be behind the current version when a "
         "request sets no max_staleness; an attempt further behind is re-run from reset",
     )
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="the policy replicas' vLLM --max-loras: groups pinned to earlier LoRA versions keep at most this "
+        "many adapters loaded (the current one included); a pin past it gets 429 too_many_pins",
+    )
     update_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         600.0, gt=0, description="deadline of one replica's part of a policy update (loading, reloading)"
     )

@@ -30,7 +30,7 @@ from inference.replicas import Endpoint, ReplicaPool
 from inference.weights import WeightsClient, WeightUpdateError
 
 from ..protocol import PolicyState, PolicyUpdate, PolicyUpdateResult, ReplicaState, ReplicaUpdate
-from .errors import BackendFailed, Conflict, Invalid, StartupError
+from .errors import BackendFailed, Conflict, Invalid, NotFound, StartupError, TooBusy
 from .metrics import Metrics
 
 log = logging.getLogger("rollout_service.policy")
@@ -94,6 +94,12 @@ class PolicyManager:
         self._unpaused.set()
         self._lock = asyncio.Lock()
         self._in_flight: Counter[str] = Counter()  # served model name -> turns in flight on it
+        # Evaluation on a pinned version: groups pinned to each served model (an adapter stays loaded while
+        # pinned), the versions that can be named, and adapters already unloaded (no longer servable).
+        self._pins: Counter[str] = Counter()
+        self._known: dict[str, PolicyVersion] = {"base": self.current}
+        self._unloaded: set[str] = set()
+        self.max_loras = 4  # vLLM's --max-loras on the replicas (the service's --max-loras)
         self._restoring: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
@@ -129,6 +135,7 @@ class PolicyManager:
             assert label is not None
             self.current = PolicyVersion(label, 0, "weights", self.base_model)
             self._steps = {label: 0}
+            self._known = {label: self.current}
             self.serving = dict.fromkeys(self.serving, label)
 
     async def close(self) -> None:
@@ -163,12 +170,14 @@ class PolicyManager:
 
     # -- turns -------------------------------------------------------------------------------
 
-    async def lease(self) -> TurnLease:
-        """The version a turn about to be sent is generated with; waits while the trainer holds the
-        replicas paused (the turn would otherwise start on weights that are being replaced)."""
+    async def lease(self, pin: str | None = None) -> TurnLease:
+        """The version a turn about to be sent is generated with (the pinned one, for a group that
+        names one); waits while the trainer holds the replicas paused (the turn would otherwise start
+        on weights that are being replaced)."""
         while not self._unpaused.is_set():
             await self._unpaused.wait()
-        lease = TurnLease(self.current, self.weights_epoch)
+        version = self.servable(pin) if pin is not None else self.current
+        lease = TurnLease(version, self.weights_epoch)
         self._in_flight[lease.version.served_model] += 1
         return lease
 
@@ -178,11 +187,81 @@ class PolicyManager:
         self._in_flight[name] -= 1
         if self._in_flight[name] <= 0:
             del self._in_flight[name]
-            if lease.version.kind == "lora" and lease.version.served_model != self.current.served_model:
+            if self._unused_adapter(lease.version):
                 self._spawn(self._unload(name))
         if lease.weights_epoch != self.weights_epoch:
             return self.current.label
         return None
+
+    def _unused_adapter(self, version: PolicyVersion) -> bool:
+        """An adapter no turn in flight, no pin and not the current version uses: it may be unloaded."""
+        name = version.served_model
+        return (
+            version.kind == "lora"
+            and name != self.current.served_model
+            and name not in self._in_flight
+            and name not in self._pins
+        )
+
+    # -- evaluation on a pinned version --------------------------------------------------------
+
+    def servable(self, label: str) -> PolicyVersion:
+        """The version `label` names, if the replicas can still serve it; else NotFound or Conflict saying why.
+        Full weights (base, a reload, a push) are servable while they are the replicas' weights; an
+        adapter, while it is loaded over the weights it was trained on."""
+        version = self._known.get(label)
+        if version is None:
+            raise NotFound(
+                "unknown_version",
+                f"no policy version {label!r} was served here (GET /policy names the current one)",
+            )
+        if version is self.current:
+            return version
+        if version.weights_label != self.current.weights_label:
+            raise Conflict(
+                "version_not_served",
+                f"version {label!r} cannot be served: the replicas' full weights were replaced since "
+                f"(they serve {self.current.weights_label or 'the base checkpoint'} now); a pin holds a LoRA "
+                "version, or full weights still served",
+            )
+        if version.kind == "lora" and version.served_model in self._unloaded:
+            raise Conflict(
+                "version_not_served",
+                f"version {label!r} cannot be served: its adapter was unloaded once nothing used it; pin a "
+                "version while it is current (or while a group pinned to it runs) to keep it loaded",
+            )
+        return version
+
+    def pin(self, label: str) -> PolicyVersion:
+        """Hold `label`'s adapter loaded for a group pinned to it, until unpin()."""
+        version = self.check_pin(label)
+        self._pins[version.served_model] += 1
+        return version
+
+    def check_pin(self, label: str) -> PolicyVersion:
+        """The version a group may pin, or a refusal: not servable, or one adapter past --max-loras (TooBusy)."""
+        version = self.servable(label)
+        name = version.served_model
+        if version.kind == "lora" and name not in self._pins and name != self.current.served_model:
+            kept = {n for n in self._pins if n != self.base_model}
+            if self.current.kind == "lora":
+                kept.add(self.current.served_model)
+            if len(kept) + 1 > self.max_loras:
+                raise TooBusy(
+                    "too_many_pins",
+                    f"pinning version {label!r} would keep {len(kept) + 1} adapters loaded (the current one and "
+                    f"those pinned), over --max-loras={self.max_loras}: wait for pinned groups to finish",
+                    headers={"Retry-After": "5"},
+                )
+        return version
+
+    def unpin(self, version: PolicyVersion) -> None:
+        name = version.served_model
+        self._pins[name] -= 1
+        if self._pins[name] <= 0:
+            del self._pins[name]
+            if self._unused_adapter(version):
+                self._spawn(self._unload(name))
 
     def behind(self, label: str) -> int:
         """How many updates `label` is behind the current version."""
@@ -312,6 +391,7 @@ class PolicyManager:
                 )
             self.current = version
             self._steps[version.label] = step
+            self._known[version.label] = version
             for outcome in outcomes:
                 endpoint = self._endpoint(outcome.url)
                 if outcome.url in self._resume_failed:
@@ -321,7 +401,7 @@ class PolicyManager:
                     self.client.exclude(endpoint, None)
                 else:
                     self.client.exclude(endpoint, f"did not take version {version.label}: {outcome.error}")
-            if previous.kind == "lora" and previous.served_model not in self._in_flight:
+            if self._unused_adapter(previous):
                 self._spawn(self._unload(previous.served_model))
             result = PolicyUpdateResult(
                 version=version.label,
@@ -475,6 +555,7 @@ class PolicyManager:
         return None if _EMPTY_DIGEST in sums.values() else sums
 
     async def _unload(self, name: str) -> None:
+        self._unloaded.add(name)
         for endpoint in self.client.endpoints:
             try:
                 await self.weights.unload_adapter(endpoint.url, name)

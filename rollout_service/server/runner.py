@@ -75,6 +75,9 @@ class GroupRunner:
         group = GroupRun(request, target, policy, group_id, sequence, share if share is not None else sequence)
         runs = [AttemptRun(self.parts, group, i) for i in range(request.n)]
         started = time.monotonic()
+        # Evaluation on a pinned version: its adapter stays loaded while the group runs.
+        versions = self.parts.versions
+        pinned = versions.pin(request.pin_version) if request.pin_version and versions is not None else None
         try:
             attempts = list(await asyncio.gather(*(run.run() for run in runs)))
             # An attempt within the bound when it ended may have fallen behind while its siblings
@@ -84,6 +87,8 @@ class GroupRunner:
                 for i, attempt in zip(redo, again, strict=True):
                     attempts[i] = attempt
         finally:
+            if pinned is not None and versions is not None:
+                versions.unpin(pinned)
             policy.client.unpin(group_id)
             if policy.renderer is not None:
                 policy.renderer.forget(group_id)
