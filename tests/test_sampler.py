@@ -15,6 +15,7 @@ recorded version against it).
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import pytest
@@ -241,10 +242,12 @@ def test_no_handed_out_group_exceeds_max_staleness_across_updates(start_refenv, 
     stream = created.json()["id"]
     assert created.json()["buffer_bound"] == 3
 
+    run = uuid.uuid4().hex[:8]  # adapters are per name on the shared vLLM: names of this run alone
+
     def update(label: str) -> None:
         folder = make_adapter(tmp_path / label, 0.0, seed=len(steps))
-        post_policy(service, version=label, lora={"path": folder}).raise_for_status()
-        steps[label] = len(steps)
+        post_policy(service, version=f"{run}-{label}", lora={"path": folder}).raise_for_status()
+        steps[f"{run}-{label}"] = len(steps)
 
     def check(handed: list[dict], current: str) -> None:
         for line in handed:
@@ -260,12 +263,12 @@ def test_no_handed_out_group_exceeds_max_staleness_across_updates(start_refenv, 
     assert wait_until(lambda: httpx.get(f"{service}/samplers/{stream}").json()["buffered"] >= 2, 600)
     update("v1")
     handed, _, summary = pull(service, stream, 1)
-    check(handed, "v1")
+    check(handed, f"{run}-v1")
     assert wait_until(lambda: httpx.get(f"{service}/samplers/{stream}").json()["buffered"] >= 2, 600)
     update("v2")
     update("v3")  # whatever was buffered under base or v1 is now 2 or 3 behind
     handed, dropped, summary = pull(service, stream, 2)
-    check(handed, "v3")
+    check(handed, f"{run}-v3")
     assert len(handed) == 2 and all(line["lag"] <= 1 for line in handed)
     state = httpx.get(f"{service}/samplers/{stream}").json()
     assert state["dropped"].get("stale", 0) >= 2, state
