@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_service.server.errors import RequestRefused
+from rollout_service.server.errors import Conflict, NotFound, RequestRefused, TooBusy
 from rollout_service.server.metrics import Metrics
 from rollout_service.server.policy import PolicyManager, PolicyVersion
 
@@ -35,7 +35,7 @@ def _serve(manager: PolicyManager, label: str, kind: str = "lora") -> PolicyVers
 
 def test_pins_past_max_loras_are_refused_and_room_comes_back_when_unpinned():
     """--max-loras 2: the current adapter and one pinned earlier one fill it; a second earlier
-    version is refused 409 too_many_pins until the first pin is released. Break tried: the bound's
+    version is refused (429) too_many_pins until the first pin is released. Break tried: the bound's
     count leaving out the current adapter -> the second pin is accepted."""
     asyncio.run(_pins_past_max_loras())  # an unpin spawns the adapter's unload: a loop must run
 
@@ -48,7 +48,7 @@ async def _pins_past_max_loras() -> None:
     _serve(manager, "c")  # a pinned, c current: still 2; b unused
     with pytest.raises(RequestRefused) as refused:
         manager.pin("b")
-    assert refused.value.status == 409 and refused.value.error == "too_many_pins"
+    assert isinstance(refused.value, TooBusy) and refused.value.error == "too_many_pins"
     assert manager.pin("a") is pinned_a and manager.pin("c").label == "c"  # held already / current: no new room
     manager.unpin(pinned_a)
     manager.unpin(pinned_a)
@@ -69,8 +69,8 @@ def test_full_weights_replaced_are_not_served():
     for label in ("base", "a"):
         with pytest.raises(RequestRefused) as refused:
             manager.check_pin(label)
-        assert refused.value.status == 409 and refused.value.error == "version_not_served"
+        assert isinstance(refused.value, Conflict) and refused.value.error == "version_not_served"
         assert "full weights were replaced" in refused.value.message
     with pytest.raises(RequestRefused) as unknown:
         manager.check_pin("nope")
-    assert unknown.value.status == 404
+    assert isinstance(unknown.value, NotFound)

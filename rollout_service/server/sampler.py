@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from ..protocol import GRADED_STATUSES
 from ..sampler_protocol import DroppedGroup, TaskDraw, _SamplerSettings, group_from_template
 from .errors import Conflict, NotFound, RequestRefused
 from .stream_out import HeldResults
@@ -279,11 +280,7 @@ class Sampler:
         body = task.result()
         group = orjson.loads(body)
         self.tally.groups_run += 1
-        graded = [
-            a["reward"]
-            for a in group["attempts"]
-            if a["status"] in ("scored", "policy_failure") and a["reward"] is not None
-        ]
+        graded = [a["reward"] for a in group["attempts"] if a["status"] in GRADED_STATUSES and a["reward"] is not None]
         oldest = group.get("oldest_policy_version")
         reason = detail = None
         if self.settings.filter == "signal":

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
+from ..protocol import GRADED_STATUSES as GRADED
 from ..sampler_protocol import DifficultyBounds, TaskStats, VersionStats
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from .policy import PolicyManager
 
 _VERSIONS_KEPT = 16
-GRADED = ("scored", "policy_failure")
 
 
 @dataclass
