@@ -66,10 +66,16 @@ class TaskDeck:
         while live:
             (i,) = self.rng.choices(live, weights=[self.buckets[j][0] for j in live])
             ids = self.buckets[i][1]
-            for _ in range(len(ids)):
+            # Each task of the bucket asked once, across the end of a pass (a fresh shuffle may repeat
+            # the tasks the old pass left).
+            asked: set[str] = set()
+            while len(asked) < len(ids):
                 if not self._order[i]:
                     self._order[i] = self.rng.sample(ids, len(ids))
                 task_id = self._order[i].pop()
+                if task_id in asked:
+                    continue
+                asked.add(task_id)
                 if not skip(task_id):
                     return task_id
             live.remove(i)
@@ -186,7 +192,7 @@ class Sampler:
     def check_first(self) -> None:
         """Refuse now (as an HTTP error, before any line) what would refuse every group: the template
         against the service's limits and the queue cap."""
-        task_id = self.deck.draw(lambda _: False)
+        task_id = next((ids[0] for _, ids in self.deck.buckets if ids), None)  # a look, not a draw
         if task_id is None:
             raise Conflict("no_tasks", "the draw holds no task")
         self.service.admission.admit([group_from_template(self.template, task_id)])
