@@ -21,12 +21,9 @@ steps per hour for each, their ratio, and each pulled group's lag (no policy upd
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +33,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import record  # noqa: E402
+
 from rollout_service.tools.stack import ManagedProcess, free_port, refenv_command, service_command  # noqa: E402
 
 
@@ -137,19 +137,28 @@ def main() -> None:
     finally:
         for proc in reversed(started):
             proc.stop()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    record = {
-        "benchmark": "overlap",
-        "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
-        "commit": commit,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "vllm": args.vllm, "model": args.model},
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "figures": figures,
-    }
-    out = args.json or ROOT / "bench" / "results" / f"overlap-{record['date'][:10]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    rows = [
+        {
+            "training step (s)": row["train_s"],
+            "synchronous steps/hour": row["sync_steps_per_hour"],
+            "overlapped steps/hour": row["overlapped_steps_per_hour"],
+            "overlapped after the first step": row["overlapped_steps_per_hour_after_first"],
+            "speed-up": row["speedup"],
+            "synchronous step (s)": row["sync_step_s"],
+            "overlapped step (s)": row["overlapped_step_s"],
+            "lags": row["lags"],
+        }
+        for row in figures
+    ]
+    result = record.make(
+        "overlap",
+        "Generation while training: GRPO steps per hour, synchronous vs a sampler stream",
+        rows,
+        notes=f"stand-in training step (a sleep); {args.groups} groups of n={args.n} per step; vLLM {args.vllm} "
+        f"serving {args.model}",
+    )
+    out = args.json or record.RESULTS / f"overlap-{result['date']}.json"
+    record.write(result, out)
     print(f"wrote {out} (process logs in {logs})")
 
 
