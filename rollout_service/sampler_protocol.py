@@ -4,6 +4,7 @@ the group protocol."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -43,6 +44,8 @@ class TaskDraw(BaseModel):
             if weights is not None:
                 if any(w < 0 or w != w for w in weights.values()):
                     raise ValueError(f"{name}: weights are numbers >= 0")
+                if not math.isfinite(sum(weights.values())):
+                    raise ValueError(f"{name}: the weights' sum must be finite (they are relative: scale them down)")
                 if not any(w > 0 for w in weights.values()):
                     raise ValueError(f"{name}: at least one weight must be above 0")
         return self
@@ -139,6 +142,15 @@ class StreamCreate(_SamplerSettings):
     idle_timeout_s: WireFloat = Field(
         600, gt=0, le=86_400, description="the stream is closed (its groups cancelled) after this long without a pull"
     )
+
+    @field_validator("group")
+    @classmethod
+    def _follows_the_policy(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # A stream feeds training, which follows the current policy: its buffered groups are judged by
+        # max_staleness, and a pin would neither hold the pinned adapter while they wait nor survive it.
+        if value.get("pin_version") is not None:
+            raise ValueError("a stream follows the current policy: pin_version is for POST /groups or /groups/sample")
+        return value
 
 
 class StreamPull(BaseModel):

@@ -174,7 +174,9 @@ def test_difficulty_skips_follow_the_stats(start_refenv, start_service, start_sc
 
 def test_bad_sample_requests_are_told_why(start_refenv, start_service, start_scripted_model):
     """Mistakes are 4xx with a message, before any line: a template naming its task, an unknown task,
-    family or env, a budget below the count, an n over the service's maximum."""
+    family or env, a budget below the count, an n over the service's maximum, weights whose sum
+    overflows, a stream template that pins a version. Breaks tried: the finite-sum check removed ->
+    200 with no summary line; the stream's pin check removed -> 201."""
     model = start_scripted_model("answer")
     env = start_refenv("--pool", "2")
     service = start_service([env.url], "--max-n", "8", vllm=model.url, model="scripted").url
@@ -187,11 +189,17 @@ def test_bad_sample_requests_are_told_why(start_refenv, start_service, start_scr
         ({"count": 1, "group": {"n": 9}}, 422, "--max-n"),
         ({"count": 1, "group": {"sampling": {"temperature": 0}, "n": 2}}, 422, "greedy"),
         ({"count": 1, "tasks": {"task_ids": ["t001"], "families": {"x": 1}}}, 422, "not task_ids and families"),
+        # Each weight finite, their sum not: random.choices would raise mid-answer (an empty 200).
+        ({"count": 1, "tasks": {"families": {"x": 1e308, "y": 1e308}}}, 422, "sum must be finite"),
     ]
     for body, status, words in cases:
         answer = httpx.post(f"{service}/groups/sample", json=body, timeout=30)
         assert answer.status_code == status, (body, answer.text)
         assert words in answer.json()["message"], (body, answer.json())
+    # A stream feeds training: its template may not pin a version (its buffered groups would outlive the pin).
+    current = httpx.get(f"{service}/policy", timeout=10).json()["version"]
+    answer = httpx.post(f"{service}/samplers", json={"group": {"pin_version": current}}, timeout=30)
+    assert answer.status_code == 422 and "follows the current policy" in answer.json()["message"], answer.text
     assert env_health(env.url)["episodes"]["started"] == 0
 
 
@@ -385,3 +393,58 @@ def test_client_methods_sample_and_stream(start_refenv, start_service, start_scr
             client.pull(stream.id, 1)
         assert gone.value.status == 410
     assert wait_until(lambda: env_health(env.url)["leased"] == 0, timeout_s=10)
+
+
+def test_a_client_that_goes_away_mid_answer_gets_its_worlds_and_queue_room_back(
+    start_refenv, start_service, start_scripted_model
+):
+    """A trainer that disconnects while a sample or a pull waits for its next group: the groups it ran
+    are cancelled (refenv's counters: every world back, every episode ended), their queue room is given
+    back (/health/detail), the stream can be pulled again, and a DELETE ends a pull that waits at once.
+    Breaks tried: the answer's cleanup unshielded, the pending step left running (Starlette cancels the
+    response when it sees the disconnect first) -> the env still holds its worlds and the next pull is
+    409 pull_in_progress; close() not waking a waiting pull -> the pull runs on to its timeout_s."""
+    import threading
+
+    model = start_scripted_model("sql-forever", "--delay", "0.5")
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], vllm=model.url, model="scripted").url
+    group = {"n": 1, "max_turns": 50, "sampling": SCRIPTED}
+
+    def settled() -> bool:
+        detail = httpx.get(f"{service}/health/detail", timeout=10).json()
+        return env_health(env.url)["leased"] == 0 and detail["attempts_queued"] == 0
+
+    with httpx.stream(
+        "POST", f"{service}/groups/sample", json={"count": 5, "filter": "none", "group": group}, timeout=60
+    ) as answer:
+        assert answer.status_code == 200
+        assert wait_until(lambda: env_health(env.url)["leased"] == 2, timeout_s=30)
+    assert wait_until(settled, timeout_s=10), (env_health(env.url), httpx.get(f"{service}/health/detail").json())
+    assert_env_accounted(env_health(env.url))
+
+    stream = httpx.post(f"{service}/samplers", json={"buffer": 2, "filter": "none", "group": group}, timeout=30)
+    stream_id = stream.json()["id"]
+    with httpx.stream("POST", f"{service}/samplers/{stream_id}/pull", json={"count": 5}, timeout=60) as answer:
+        assert answer.status_code == 200
+        assert wait_until(lambda: env_health(env.url)["leased"] == 2, timeout_s=30)
+    again: list[int] = []
+    ended = threading.Event()
+
+    def pull_again() -> None:
+        with httpx.stream(
+            "POST", f"{service}/samplers/{stream_id}/pull", json={"count": 5, "timeout_s": 300}, timeout=600
+        ) as answer:
+            again.append(answer.status_code)
+            answer.read()
+        ended.set()
+
+    threading.Thread(target=pull_again, daemon=True).start()
+    assert wait_until(lambda: bool(again), timeout_s=30)
+    assert again == [200], again
+    # A 200 means the pull is registered (the route marks it before answering): DELETE now ends it,
+    # whether it already waits for a group or has yet to look.
+    assert httpx.delete(f"{service}/samplers/{stream_id}", timeout=60).status_code == 200
+    assert ended.wait(20), "a pull waiting on a deleted stream did not end"
+    assert wait_until(settled, timeout_s=10)
+    assert_env_accounted(env_health(env.url))

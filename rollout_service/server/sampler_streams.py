@@ -238,6 +238,7 @@ class SamplerStream:
         self.sampler.close()
         self.buffer.clear()
         self.held.close()
+        self._changed.set()  # a pull waiting for groups ends now
 
 
 class SamplerStreams:

@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Send
@@ -84,6 +85,7 @@ class BoundedStream(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         watcher = asyncio.ensure_future(_disconnected(self.request)) if self.request is not None else None
+        step: asyncio.Future[bytes] | None = None
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             while True:
@@ -110,12 +112,21 @@ class BoundedStream(StreamingResponse):
                     return  # the server closes the connection: the answer is incomplete
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if watcher is not None:
-                watcher.cancel()
-            # Now, not when the generator is collected: its `finally` cancels the groups it still runs.
-            await self.iterator.aclose()  # type: ignore[attr-defined]
-            if self.on_end is not None:
-                self.on_end()
+            # Shielded: Starlette cancels this task when it sees the disconnect first, and a second
+            # cancellation must not skip the generator's `finally` (it cancels the groups it still runs
+            # and gives back their worlds and queue room) nor `on_end`.
+            with anyio.CancelScope(shield=True):
+                try:
+                    if watcher is not None:
+                        watcher.cancel()
+                    if step is not None and not step.done():  # cancelled while it waited for the next line
+                        step.cancel()
+                        await asyncio.wait([step])
+                    # Now, not when the generator is collected.
+                    await self.iterator.aclose()  # type: ignore[attr-defined]
+                finally:
+                    if self.on_end is not None:
+                        self.on_end()
 
 
 async def _disconnected(request: Request) -> None:
