@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import threading
@@ -242,21 +243,38 @@ def test_a_reset_waiting_for_a_world_is_bounded_by_timeout_s_and_still_abandoned
 def test_run_log_write_errors_show_in_health_and_groups_go_on(
     start_refenv, start_service, start_scripted_model, tmp_path
 ):
-    """#11.6: the run log points at a full disk (/dev/full): groups are still answered, /health says
-    degraded, the detail names the error and counts the groups lost from the log."""
+    """#11.6: the disk refuses every write to the run log: groups are still answered, /health says
+    degraded, the detail names the error and counts the groups lost from the log.
+
+    The refusal is the kernel's, as root too (where file permissions refuse nothing; a symlink to
+    /dev/full is refused by the service itself): once the service is up, its file size limit
+    (RLIMIT_FSIZE) is set to the size its run log already has, so every append to it fails with EFBIG
+    (Python ignores SIGXFSZ). The log is a sparse file far larger than the service's own output, which
+    goes on being written, and it ends in a newline, so the writer has no torn line to cut first."""
     model = start_scripted_model("answer")
     env = start_refenv("--pool", "2")
     runs = tmp_path / "runs"
-    runs.mkdir()
-    (runs / "full.jsonl").symlink_to("/dev/full")
+    runs.mkdir(mode=0o700)
+    full = runs / "full.jsonl"
+    size = 64 * 1024 * 1024
+    with open(full, "wb") as f:
+        f.truncate(size - 1)
+        f.seek(size - 1)
+        f.write(b"\n")
+    full.chmod(0o600)
     service = start_service([env.url], "--runs-dir", str(runs), "--run-id", "full", vllm=model.url, model="scripted")
+    _, hard = resource.prlimit(service.proc.proc.pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(service.proc.proc.pid, resource.RLIMIT_FSIZE, (size, hard))
     for _ in range(2):
         r = httpx.post(f"{service.url}/groups", timeout=60, json={"task_id": "t001", "n": 2, "sampling": SAMPLING})
-        assert r.status_code == 200
+        assert r.status_code == 200, r.text
+        assert_accounted(r.json())
     assert wait_until(lambda: httpx.get(f"{service.url}/health").json()["status"] == "degraded", 10)
     run_log = detail(service)["run_log"]
-    assert "No space left" in run_log["error"] and run_log["groups_lost"] == 2 and run_log["groups_written"] == 0
+    assert "File too large" in run_log["error"] and str(full) in run_log["error"], run_log
+    assert run_log["groups_lost"] == 2 and run_log["groups_written"] == 0, run_log
     assert "run log" in " ".join(detail(service)["reasons"])
+    assert full.stat().st_size == size  # the kernel's count: not a byte of either group reached the file
 
 
 def test_admission_cap_answers_429_with_retry_after(start_refenv, start_service, start_scripted_model):

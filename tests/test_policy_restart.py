@@ -18,9 +18,11 @@ Three orders of events after the restart:
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
+from fake_vllm import adapter
 from helpers import assert_accounted, wait_until
 from scripted_model import command as scripted_command
 
@@ -81,9 +83,9 @@ class Stack:
         # A turn waits for a routable replica up to the inference timeout: short, so that a replica
         # never brought back fails the turn here rather than hanging the test.
         self.service = start_service([self.env.url], "--inference-timeout", "20", vllm=self.model.url, model="scripted")
-        self.adapter = tmp_path / "adapter-v1"
-        self.adapter.mkdir()
-        (self.adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+        # A folder the service accepts as a checkpoint (config and *.safetensors): it checks one
+        # before any replica is told to load it. The scripted replica loads only its name.
+        self.adapter = Path(adapter(tmp_path, "adapter-v1"))
 
     def start_model(self, *flags: str, ready_path: str = "/v1/models"):
         cmd = scripted_command(self.port, "answer", *flags)
