@@ -87,3 +87,22 @@ def test_a_stop_reaches_the_command_under_its_guard_and_its_status_comes_back(tm
         assert proc.proc is not None and proc.proc.returncode == 128 + signal.SIGTERM
     finally:
         proc.stop(grace_s=1)
+
+
+def test_the_pid_it_gives_is_the_commands_own_not_its_guards(tmp_path):
+    """Callers signal `pid` and record it as the process holding the server's port (the Ray actors'
+    pid files, `ray status`): it must name the command. Break tried: `pid` returning the guard's
+    (proc.proc.pid) -> the cmdline is the guard's, and a SIGKILL to it leaves the command running,
+    fails."""
+    command = "import time; print('ready', flush=True); time.sleep(600)"
+    proc = ManagedProcess("sleeper", [sys.executable, "-c", command], tmp_path / "sleeper.log", die_with_parent=True)
+    proc.start()
+    try:
+        assert proc.pid is not None and proc.proc is not None
+        server = psutil.Process(proc.pid)
+        assert server.cmdline() == [sys.executable, "-c", command] and server.ppid() == proc.proc.pid
+        server.send_signal(signal.SIGKILL)
+        # The guard exits with the command's status, as a shell would say it.
+        assert proc.proc.wait(30) == 128 + signal.SIGKILL
+    finally:
+        proc.stop(grace_s=1)

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import cli
+from helpers import cli, wait_until
 
 from rollout_service.cluster import actors
 from rollout_service.cluster.actors import default_logs_dir, private_folder
 from rollout_service.server.runlog import RunLog
+from rollout_service.tools.stack import ManagedProcess
 
 # -- run logs: private, and never written through a link (item 9) ----------------------------------
 
@@ -379,6 +380,37 @@ def test_a_pid_file_naming_another_process_kills_nothing(tmp_path, bystander):
     actors._write_pidfile(pidfile, bystander.pid)
     actors._stop_leftover(pidfile)
     assert bystander.wait(30) == -signal.SIGKILL
+
+
+def test_a_server_whose_guard_was_killed_hard_is_stopped_by_its_successor(tmp_path):
+    """An actor records its server's own pid (not its guard's); if the guard is killed hard the
+    server runs on, orphaned, holding its port: the next incarnation's _stop_leftover must still
+    end it. Oracle: the kernel's process table. Break tried: killpg(pid) on the recorded pid (the
+    server is not a group leader: ProcessLookupError, swallowed) -> the server lives on, fails."""
+    logs = private_folder(tmp_path / "logs")
+    pidfile = logs / "ns.env-0.pid"
+    command = [sys.executable, "-c", "import time; time.sleep(600)"]
+    server = ManagedProcess("env-0", command, logs / "ns.env-0.log", die_with_parent=True)
+    server.start()
+    try:
+        assert server.pid is not None and server.proc is not None
+        actors._write_pidfile(pidfile, server.pid)
+        server.proc.send_signal(signal.SIGKILL)  # the guard, not the server
+        server.proc.wait(30)
+        assert not _gone(server.pid), "the server outlives its guard until someone stops it"
+        actors._stop_leftover(pidfile)
+        assert wait_until(lambda: _gone(server.pid), 30), "the orphaned server was not stopped"
+    finally:
+        if server.pid is not None and not _gone(server.pid):
+            os.kill(server.pid, signal.SIGKILL)
+        server.stop(grace_s=1)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 # -- the pause is a lease: its length is bounded (item 7; its expiry: test_policy_faults.py) ---------

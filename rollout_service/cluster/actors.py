@@ -71,8 +71,8 @@ class ServerProcess:
         self._stopping = False
         self.proc = ManagedProcess(name, argv, logs / f"{stem}.log", process_env, die_with_parent=True)
         self.proc.start()
-        assert self.proc.proc is not None
-        _write_pidfile(self._pidfile, self.proc.proc.pid)
+        if self.proc.pid is not None:  # None: the guard died first, and wait_http says why
+            _write_pidfile(self._pidfile, self.proc.pid)
         try:
             self.proc.wait_http(f"{self.url}{ready_path}", timeout_s=startup_timeout_s)
         except BaseException:
@@ -94,7 +94,7 @@ class ServerProcess:
             "url": self.url,
             "host": self.host,
             "node_id": self.node_id,
-            "pid": self.proc.proc.pid if self.proc.proc else None,
+            "pid": self.proc.pid,  # the server itself, not its guard
             "actor_pid": os.getpid(),
             "alive": self.proc.alive(),
             "log": str(self.proc.log_path),
@@ -227,6 +227,7 @@ def _stop_leftover(pidfile: Path) -> None:
         pidfile.unlink(missing_ok=True)
         return
     if started != "?" and _start_time(pid) == started and cmdline and _command_line(pid) == cmdline:
+        # The server's group (its guard's, which a killed guard leaves to the server alone): all it started.
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
     pidfile.unlink(missing_ok=True)

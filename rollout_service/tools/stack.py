@@ -135,16 +135,21 @@ class ManagedProcess:
     die_with_parent: bool = False
     # The pipe's write end: never written, closed by the kernel when this process exits.
     _lifeline: int | None = field(default=None, init=False, repr=False)
+    # The command's own pid under a guard, as the guard said it (None if the guard died first).
+    _command_pid: int | None = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd: list[str] = self.cmd
         watched: tuple[int, ...] = ()
+        pid_read: int | None = None
         if self.die_with_parent:
             # os.pipe's ends are not inherited: only the guard gets the read end (pass_fds), and no
             # other child of this process holds the write end open after we are gone.
             read_end, self._lifeline = os.pipe()
-            cmd, watched = [sys.executable, str(_ORPHAN_GUARD), str(read_end), *self.cmd], (read_end,)
+            pid_read, pid_write = os.pipe()
+            guard = [sys.executable, str(_ORPHAN_GUARD), str(read_end), str(pid_write)]
+            cmd, watched = [*guard, *self.cmd], (read_end, pid_write)
         with open(self.log_path, "ab") as log:
             try:
                 self.proc = subprocess.Popen(
@@ -156,9 +161,26 @@ class ManagedProcess:
                     start_new_session=True,
                     pass_fds=watched,
                 )
+            except BaseException:
+                if pid_read is not None:
+                    os.close(pid_read)
+                raise
             finally:
                 for fd in watched:
                     os.close(fd)
+        if pid_read is not None:
+            # The guard writes the pid once it started the command, or dies first: EOF either way.
+            with os.fdopen(pid_read, "rb") as said:
+                told = said.read()
+            self._command_pid = int(told) if told.strip().isdigit() else None
+
+    @property
+    def pid(self) -> int | None:
+        """The command's own process (under a guard, not the guard's): the one that holds its port,
+        that a signal meant for the server must reach. The process group is the guard's (self.proc)."""
+        if self.die_with_parent:
+            return self._command_pid
+        return self.proc.pid if self.proc is not None else None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
