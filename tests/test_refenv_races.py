@@ -231,6 +231,37 @@ def test_a_single_function_call_is_bounded_by_the_statement_limit(start_refenv):
     assert env.proc.proc.poll() is None and accounted(env.health())
 
 
+# instr() and replace() of 256 KiB values (the cap) compare the needle at every position: SQLite's own
+# took ~0.3 s a call, and the clock is checked only between VM steps, so 30 columns of them in one row
+# ran ~10 s before "statement stopped after 2 s". The needle is never there: each answer is 0 / the
+# whole text, which the test knows without SQLite.
+_HAY, _NEEDLE = "printf('%.250000c', 'a')", "printf('%.125000c', 'a') || 'b'"
+QUADRATIC_CALLS = [
+    "SELECT " + ", ".join(f"instr({_HAY}, {_NEEDLE}) AS c{i}" for i in range(30)),
+    "SELECT " + ", ".join(f"length(replace({_HAY}, {_NEEDLE}, 'x')) AS c{i}" for i in range(30)),
+]
+
+
+def test_instr_and_replace_of_the_longest_values_answer_within_the_statement_limit(start_refenv):
+    """Issue #39 item 6 (instr/replace): the row comes back, right, having cost the env's process
+    under the statement limit in CPU."""
+    env = start_refenv("--pool", "1")
+    pid = env.proc.proc.pid
+    task = task_id_of(env.url, "count-table")
+    with httpx.Client(base_url=env.url, timeout=120) as client:
+        for sql, expected in zip(QUADRATIC_CALLS, ("0", "250000"), strict=True):
+            eid = client.post("/step/reset", json={"task_id": task}).json()["episode_id"]
+            before = cpu_seconds(pid)
+            text = _result(_sql_turn(client, eid, sql))
+            spent = cpu_seconds(pid) - before
+            assert client.delete(f"/step/{eid}").status_code == 200
+            assert spent < 2.0, (sql[:60], spent, text[:300])
+            assert not text.startswith("Result:\nError"), (sql[:60], text[:300])
+            row = text.splitlines()[-1].split("|")
+            assert [v.strip() for v in row] == [expected] * 30, (sql[:60], text[-300:])
+    assert env.proc.proc.poll() is None and accounted(env.health())
+
+
 def test_a_reset_whose_driver_left_while_it_waited_gives_its_world_back(start_refenv):
     """A driver waits in /step/reset (every world held), gives up and disconnects; the world then
     frees. The episode the env starts for nobody must be ended at once, not left to the reaper."""
