@@ -240,6 +240,9 @@ _STATEMENT_DEADLINE_S = 2.0
 _PROGRESS_EVERY = 100  # VM steps between checks: no cost measured on a scale-300 join (every 10: +40%)
 _MAX_VALUE_BYTES = 256 << 10
 _MAX_COLUMNS = 64  # one result row holds at most this many values at once (SQLite's default: 2000)
+# LIKE and GLOB cost (value length) x (pattern length) in one step: at SQLite's default (50,000
+# bytes) one call on a 256 KiB value ran 25 s; at this cap ~35 ms. Honest patterns are a few words.
+_MAX_LIKE_PATTERN_BYTES = 100
 # Room for any honest write; not for a table of blobs (an in-memory world grows in RAM).
 _MAX_GROWTH_BYTES = 16 << 20
 
@@ -507,6 +510,7 @@ class WorldPool:
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
         conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, _MAX_COLUMNS)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_LIKE_PATTERN_BYTES)
         printf.install(conn)
         search.install(conn)
         self._load_image(conn)

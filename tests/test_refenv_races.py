@@ -262,6 +262,41 @@ def test_instr_and_replace_of_the_longest_values_answer_within_the_statement_lim
     assert env.proc.proc.poll() is None and accounted(env.health())
 
 
+# LIKE and GLOB compare the pattern at every position too: one call with a 40,000-byte pattern on a
+# 256 KiB value ran 25 s. A longer pattern than refenv allows (100 bytes) is refused; the longest
+# allowed, in 30 columns, stays within the limit and answers (0: the value has no 'b').
+_LONGEST_LIKE = 100
+
+
+def test_like_and_glob_patterns_are_bounded_so_a_row_of_them_answers_within_the_limit(start_refenv):
+    env = start_refenv("--pool", "1")
+    pid = env.proc.proc.pid
+    task = task_id_of(env.url, "count-table")
+    wide = ", ".join(
+        f"{_HAY} {op} {w} || printf('%.{_LONGEST_LIKE - 2}c', 'a') || 'b' AS c{i}"
+        for i, (op, w) in enumerate([("LIKE", "'%'"), ("GLOB", "'*'")] * 15)
+    )
+    too_long = [
+        f"SELECT {_HAY} {op} {w} || printf('%.40000c', 'a') || 'b'" for op, w in (("LIKE", "'%'"), ("GLOB", "'*'"))
+    ]
+    with httpx.Client(base_url=env.url, timeout=120) as client:
+        for sql in [f"SELECT {wide}", *too_long]:
+            eid = client.post("/step/reset", json={"task_id": task}).json()["episode_id"]
+            before = cpu_seconds(pid)
+            text = _result(_sql_turn(client, eid, sql))
+            spent = cpu_seconds(pid) - before
+            assert client.delete(f"/step/{eid}").status_code == 200
+            assert spent < 2.0, (sql[:60], spent, text[:300])
+            if sql in too_long:
+                assert text.startswith("Result:\nError: ") and "pattern" in text, text[:300]
+            else:
+                assert [v.strip() for v in text.splitlines()[-1].split("|")] == ["0"] * 30, text[-300:]
+        eid = client.post("/step/reset", json={"task_id": task}).json()["episode_id"]
+        honest = _result(_sql_turn(client, eid, "SELECT 'Ergonomic Chair' LIKE '%chair', 'abc' GLOB 'a*'"))
+        assert honest.splitlines()[-1].replace(" ", "") == "1|1", honest
+    assert env.proc.proc.poll() is None
+
+
 def test_a_reset_whose_driver_left_while_it_waited_gives_its_world_back(start_refenv):
     """A driver waits in /step/reset (every world held), gives up and disconnects; the world then
     frees. The episode the env starts for nobody must be ended at once, not left to the reaper."""
