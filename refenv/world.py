@@ -271,12 +271,15 @@ class BoundedPrintf:
         self._builtin = sqlite3.connect(":memory:", check_same_thread=False)
         self._builtin.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
         self.refused = ""  # why the last call was refused: the error the model is shown
+        self.budget: _StatementBudget | None = None  # the running statement's: see LinearTextSearch
 
     def install(self, conn: sqlite3.Connection) -> None:
         for name in ("printf", "format"):
             conn.create_function(name, -1, self.__call__, deterministic=True)
 
     def __call__(self, fmt: object = None, *args: object) -> str | None:
+        if self.budget is not None and self.budget.past_deadline():
+            raise ValueError(self.budget.reason)
         if fmt is None:
             return None
         text = fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else str(fmt)
@@ -349,6 +352,10 @@ class LinearTextSearch:
     def __init__(self) -> None:
         self._builtin = sqlite3.connect(":memory:", check_same_thread=False)
         self.refused = ""  # why the last call failed: the error the model is shown
+        # The running statement's budget. SQLite evaluates constant expressions once, up front,
+        # where its progress handler never runs: 3,600 constant instr() calls in one SELECT ran
+        # 11 s. Each call checks the clock itself.
+        self.budget: _StatementBudget | None = None
 
     def install(self, conn: sqlite3.Connection) -> None:
         conn.create_function("instr", 2, self.instr, deterministic=True)
@@ -362,7 +369,12 @@ class LinearTextSearch:
             value = self._builtin.execute("SELECT CAST(? AS TEXT)", (value,)).fetchone()[0]
         return str(value).encode()
 
+    def _check_clock(self) -> None:
+        if self.budget is not None and self.budget.past_deadline():
+            raise ValueError(self.budget.reason)
+
     def instr(self, haystack: SqlValue, needle: SqlValue) -> int | None:
+        self._check_clock()
         if haystack is None or needle is None:
             return None
         as_text = not (isinstance(haystack, bytes) and isinstance(needle, bytes))
@@ -382,6 +394,7 @@ class LinearTextSearch:
 
     def replace(self, text: SqlValue, pattern: SqlValue, replacement: SqlValue) -> SqlValue:
         self.refused = ""
+        self._check_clock()
         if text is None or pattern is None:
             return None
         old = self._bytes(pattern)
@@ -427,6 +440,7 @@ class World:
         self.conn.set_progress_handler(stopped.check, _PROGRESS_EVERY)
         before = self.conn.total_changes
         self.printf.refused = self.search.refused = ""
+        self.printf.budget = self.search.budget = stopped
         try:
             cursor = self.conn.execute(sql)
             columns = [d[0] for d in cursor.description or ()]
@@ -440,6 +454,7 @@ class World:
         finally:
             self.conn.set_authorizer(None)
             self.conn.set_progress_handler(None, 0)
+            self.printf.budget = self.search.budget = None
             if self.conn.total_changes != before:
                 self.dirty = True
         return QueryResult(columns, rows[:max_rows], len(rows) > max_rows, self.conn.total_changes - before)
@@ -473,9 +488,14 @@ class _StatementBudget:
         self.ticks += 1
         if self.ticks > _MAX_VM_STEPS // _PROGRESS_EVERY:
             self.reason = f"statement stopped after {_MAX_VM_STEPS:,} steps"
-        elif time.monotonic() > self.deadline:
-            self.reason = f"statement stopped after {_STATEMENT_DEADLINE_S:g} s"
+        else:
+            self.past_deadline()
         return 1 if self.reason else 0
+
+    def past_deadline(self) -> bool:
+        if not self.reason and time.monotonic() > self.deadline:
+            self.reason = f"statement stopped after {_STATEMENT_DEADLINE_S:g} s"
+        return bool(self.reason)
 
 
 def _fetch_cut(cursor: sqlite3.Cursor, limit: int, max_chars: int) -> list[tuple]:
