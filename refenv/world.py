@@ -232,14 +232,17 @@ _DENIED_ACTIONS = {
     sqlite3.SQLITE_DROP_VTABLE,
 }
 # What one statement from the model may cost. Steps bound a runaway cross join; the clock bounds
-# steps that are each slow; the value cap bounds memory, and also the slowest single step (instr()
-# and replace() are O(n*m), and SQLite checks the clock only between steps: 1 MB values made
-# one instr() run 7 s). Honest values here are under 100 bytes.
+# steps that are each slow; the value cap bounds memory. SQLite checks the clock only between
+# steps, so no single step may be slow either: see BoundedPrintf and LinearTextSearch.
+# Honest values here are under 100 bytes.
 _MAX_VM_STEPS = 2_000_000
 _STATEMENT_DEADLINE_S = 2.0
 _PROGRESS_EVERY = 100  # VM steps between checks: no cost measured on a scale-300 join (every 10: +40%)
 _MAX_VALUE_BYTES = 256 << 10
 _MAX_COLUMNS = 64  # one result row holds at most this many values at once (SQLite's default: 2000)
+# LIKE and GLOB cost (value length) x (pattern length) in one step: at SQLite's default (50,000
+# bytes) one call on a 256 KiB value ran 25 s; at this cap ~35 ms. Honest patterns are a few words.
+_MAX_LIKE_PATTERN_BYTES = 100
 # Room for any honest write; not for a table of blobs (an in-memory world grows in RAM).
 _MAX_GROWTH_BYTES = 16 << 20
 
@@ -268,12 +271,15 @@ class BoundedPrintf:
         self._builtin = sqlite3.connect(":memory:", check_same_thread=False)
         self._builtin.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
         self.refused = ""  # why the last call was refused: the error the model is shown
+        self.budget: _StatementBudget | None = None  # the running statement's: see LinearTextSearch
 
     def install(self, conn: sqlite3.Connection) -> None:
         for name in ("printf", "format"):
             conn.create_function(name, -1, self.__call__, deterministic=True)
 
     def __call__(self, fmt: object = None, *args: object) -> str | None:
+        if self.budget is not None and self.budget.past_deadline():
+            raise ValueError(self.budget.reason)
         if fmt is None:
             return None
         text = fmt.decode("utf-8", "replace") if isinstance(fmt, bytes) else str(fmt)
@@ -327,6 +333,92 @@ class BoundedPrintf:
         return max((abs(v) for v in row.fetchone() if isinstance(v, int)), default=0)
 
 
+_UTF8_CONTINUATION = bytes(range(0x80, 0xC0))
+SqlValue = str | bytes | int | float | None  # what SQLite hands a Python function, by type
+
+
+class LinearTextSearch:
+    """SQLite's instr() and replace(), in linear time.
+
+    SQLite's own compare the needle at every position of the haystack (n*m work in one VM step: 30
+    instr() of 256 KiB values in one row ran 10 s past the 2 s deadline, which is only checked between
+    steps). These give SQLite's answers through bytes.find, bytes.count and bytes.replace, which are
+    linear: on the values' UTF-8 bytes, as func.c works, so a TEXT position counts characters and a
+    BLOB position (both arguments BLOBs) counts bytes. A number is searched as SQLite's text of it.
+    Text that is not UTF-8 cannot pass between SQLite and Python: such an argument, or a replace() of
+    BLOBs whose result would be such text, is an error here (SQLite's result could not be shown to
+    the model either: reading it back fails)."""
+
+    def __init__(self) -> None:
+        self._builtin = sqlite3.connect(":memory:", check_same_thread=False)
+        self.refused = ""  # why the last call failed: the error the model is shown
+        # The running statement's budget. SQLite evaluates constant expressions once, up front,
+        # where its progress handler never runs: 3,600 constant instr() calls in one SELECT ran
+        # 11 s. Each call checks the clock itself.
+        self.budget: _StatementBudget | None = None
+
+    def install(self, conn: sqlite3.Connection) -> None:
+        conn.create_function("instr", 2, self.instr, deterministic=True)
+        conn.create_function("replace", 3, self.replace, deterministic=True)
+
+    def _bytes(self, value: SqlValue) -> bytes:
+        """The bytes SQLite's sqlite3_value_text() gives for `value` (a BLOB's own bytes)."""
+        if isinstance(value, bytes):
+            return value
+        if not isinstance(value, str):  # a number: SQLite's text of it, not Python's
+            value = self._builtin.execute("SELECT CAST(? AS TEXT)", (value,)).fetchone()[0]
+        return str(value).encode()
+
+    def _check_clock(self) -> None:
+        if self.budget is not None and self.budget.past_deadline():
+            raise ValueError(self.budget.reason)
+
+    def instr(self, haystack: SqlValue, needle: SqlValue) -> int | None:
+        self._check_clock()
+        if haystack is None or needle is None:
+            return None
+        as_text = not (isinstance(haystack, bytes) and isinstance(needle, bytes))
+        hay, pin = self._bytes(haystack), self._bytes(needle)
+        if not pin:
+            return 1
+        if as_text and pin[0] in _UTF8_CONTINUATION:
+            # SQLite tries the first byte, then only a character's first byte: such a needle can
+            # only match at the start.
+            return 1 if hay.startswith(pin) else 0
+        at = hay.find(pin)
+        if at < 0:
+            return 0
+        if not as_text:
+            return at + 1
+        return 1 + len(hay[1 : at + 1].translate(None, _UTF8_CONTINUATION))
+
+    def replace(self, text: SqlValue, pattern: SqlValue, replacement: SqlValue) -> SqlValue:
+        self.refused = ""
+        self._check_clock()
+        if text is None or pattern is None:
+            return None
+        old = self._bytes(pattern)
+        if not old or old[0] == 0:
+            # SQLite reads the pattern as a C string: empty, it gives back `text` as it read it
+            # (a number as it is, a BLOB's bytes as TEXT).
+            return self._text(text) if isinstance(text, bytes) else text
+        if replacement is None:
+            return None
+        whole, new = self._bytes(text), self._bytes(replacement)
+        size = len(whole) + whole.count(old) * (len(new) - len(old))
+        if size > _MAX_VALUE_BYTES:  # refused before it is built, as SQLite does
+            self.refused = "string or blob too big"
+            raise ValueError(self.refused)
+        return self._text(whole.replace(old, new))
+
+    def _text(self, data: bytes) -> str:
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            self.refused = "replace(): the result is not UTF-8 text"
+            raise ValueError(self.refused) from None
+
+
 @dataclass
 class World:
     """One isolated copy of the database; `dirty` once a statement changed a row."""
@@ -334,6 +426,7 @@ class World:
     index: int
     conn: sqlite3.Connection
     printf: BoundedPrintf
+    search: LinearTextSearch
     dirty: bool = False
 
     def execute(self, sql: str, max_rows: int, max_chars: int) -> QueryResult:
@@ -346,7 +439,8 @@ class World:
         )
         self.conn.set_progress_handler(stopped.check, _PROGRESS_EVERY)
         before = self.conn.total_changes
-        self.printf.refused = ""
+        self.printf.refused = self.search.refused = ""
+        self.printf.budget = self.search.budget = stopped
         try:
             cursor = self.conn.execute(sql)
             columns = [d[0] for d in cursor.description or ()]
@@ -356,10 +450,11 @@ class World:
         except sqlite3.Error as exc:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
-            raise QueryError(stopped.reason or self.printf.refused or str(exc)) from None
+            raise QueryError(stopped.reason or self.printf.refused or self.search.refused or str(exc)) from None
         finally:
             self.conn.set_authorizer(None)
             self.conn.set_progress_handler(None, 0)
+            self.printf.budget = self.search.budget = None
             if self.conn.total_changes != before:
                 self.dirty = True
         return QueryResult(columns, rows[:max_rows], len(rows) > max_rows, self.conn.total_changes - before)
@@ -393,9 +488,14 @@ class _StatementBudget:
         self.ticks += 1
         if self.ticks > _MAX_VM_STEPS // _PROGRESS_EVERY:
             self.reason = f"statement stopped after {_MAX_VM_STEPS:,} steps"
-        elif time.monotonic() > self.deadline:
-            self.reason = f"statement stopped after {_STATEMENT_DEADLINE_S:g} s"
+        else:
+            self.past_deadline()
         return 1 if self.reason else 0
+
+    def past_deadline(self) -> bool:
+        if not self.reason and time.monotonic() > self.deadline:
+            self.reason = f"statement stopped after {_STATEMENT_DEADLINE_S:g} s"
+        return bool(self.reason)
 
 
 def _fetch_cut(cursor: sqlite3.Cursor, limit: int, max_chars: int) -> list[tuple]:
@@ -423,14 +523,16 @@ class WorldPool:
         self._busy_closed = 0.0  # world-seconds of leases that ended
         self._lease_started: dict[int, float] = {}  # world index -> when its open lease began
         for index in range(size):
-            printf = BoundedPrintf()
-            self._free.put_nowait(World(index, self._fresh_connection(printf), printf))
+            printf, search = BoundedPrintf(), LinearTextSearch()
+            self._free.put_nowait(World(index, self._fresh_connection(printf, search), printf, search))
 
-    def _fresh_connection(self, printf: BoundedPrintf) -> sqlite3.Connection:
+    def _fresh_connection(self, printf: BoundedPrintf, search: LinearTextSearch) -> sqlite3.Connection:
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
         conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, _MAX_COLUMNS)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_LIKE_PATTERN_BYTES)
         printf.install(conn)
+        search.install(conn)
         self._load_image(conn)
         return conn
 

@@ -231,6 +231,72 @@ def test_a_single_function_call_is_bounded_by_the_statement_limit(start_refenv):
     assert env.proc.proc.poll() is None and accounted(env.health())
 
 
+# instr() and replace() of 256 KiB values (the cap) compare the needle at every position: SQLite's own
+# took ~0.3 s a call, and the clock is checked only between VM steps, so 30 columns of them in one row
+# ran ~10 s before "statement stopped after 2 s". The needle is never there: each answer is 0 / the
+# whole text, which the test knows without SQLite.
+_HAY, _NEEDLE = "printf('%.250000c', 'a')", "printf('%.125000c', 'a') || 'b'"
+QUADRATIC_CALLS = [
+    "SELECT " + ", ".join(f"instr({_HAY}, {_NEEDLE}) AS c{i}" for i in range(30)),
+    "SELECT " + ", ".join(f"length(replace({_HAY}, {_NEEDLE}, 'x')) AS c{i}" for i in range(30)),
+]
+
+
+def test_instr_and_replace_of_the_longest_values_answer_within_the_statement_limit(start_refenv):
+    """Issue #39 item 6 (instr/replace): the row comes back, right, having cost the env's process
+    under the statement limit in CPU."""
+    env = start_refenv("--pool", "1")
+    pid = env.proc.proc.pid
+    task = task_id_of(env.url, "count-table")
+    with httpx.Client(base_url=env.url, timeout=120) as client:
+        for sql, expected in zip(QUADRATIC_CALLS, ("0", "250000"), strict=True):
+            eid = client.post("/step/reset", json={"task_id": task}).json()["episode_id"]
+            before = cpu_seconds(pid)
+            text = _result(_sql_turn(client, eid, sql))
+            spent = cpu_seconds(pid) - before
+            assert client.delete(f"/step/{eid}").status_code == 200
+            assert spent < 2.0, (sql[:60], spent, text[:300])
+            assert not text.startswith("Result:\nError"), (sql[:60], text[:300])
+            row = text.splitlines()[-1].split("|")
+            assert [v.strip() for v in row] == [expected] * 30, (sql[:60], text[-300:])
+    assert env.proc.proc.poll() is None and accounted(env.health())
+
+
+# LIKE and GLOB compare the pattern at every position too: one call with a 40,000-byte pattern on a
+# 256 KiB value ran 25 s. A longer pattern than refenv allows (100 bytes) is refused; the longest
+# allowed, in 30 columns, stays within the limit and answers (0: the value has no 'b').
+_LONGEST_LIKE = 100
+
+
+def test_like_and_glob_patterns_are_bounded_so_a_row_of_them_answers_within_the_limit(start_refenv):
+    env = start_refenv("--pool", "1")
+    pid = env.proc.proc.pid
+    task = task_id_of(env.url, "count-table")
+    wide = ", ".join(
+        f"{_HAY} {op} {w} || printf('%.{_LONGEST_LIKE - 2}c', 'a') || 'b' AS c{i}"
+        for i, (op, w) in enumerate([("LIKE", "'%'"), ("GLOB", "'*'")] * 15)
+    )
+    too_long = [
+        f"SELECT {_HAY} {op} {w} || printf('%.40000c', 'a') || 'b'" for op, w in (("LIKE", "'%'"), ("GLOB", "'*'"))
+    ]
+    with httpx.Client(base_url=env.url, timeout=120) as client:
+        for sql in [f"SELECT {wide}", *too_long]:
+            eid = client.post("/step/reset", json={"task_id": task}).json()["episode_id"]
+            before = cpu_seconds(pid)
+            text = _result(_sql_turn(client, eid, sql))
+            spent = cpu_seconds(pid) - before
+            assert client.delete(f"/step/{eid}").status_code == 200
+            assert spent < 2.0, (sql[:60], spent, text[:300])
+            if sql in too_long:
+                assert text.startswith("Result:\nError: ") and "pattern" in text, text[:300]
+            else:
+                assert [v.strip() for v in text.splitlines()[-1].split("|")] == ["0"] * 30, text[-300:]
+        eid = client.post("/step/reset", json={"task_id": task}).json()["episode_id"]
+        honest = _result(_sql_turn(client, eid, "SELECT 'Ergonomic Chair' LIKE '%chair', 'abc' GLOB 'a*'"))
+        assert honest.splitlines()[-1].replace(" ", "") == "1|1", honest
+    assert env.proc.proc.poll() is None
+
+
 def test_a_reset_whose_driver_left_while_it_waited_gives_its_world_back(start_refenv):
     """A driver waits in /step/reset (every world held), gives up and disconnects; the world then
     frees. The episode the env starts for nobody must be ended at once, not left to the reaper."""
