@@ -12,6 +12,7 @@ from inference.transport import (
     DEFAULT_MAX_ANSWER_BYTES,
     AnswerTooLarge,
     ConnectRefused,
+    EncodedAnswer,
     HttpTransport,
     TransportError,
     TransportTimeout,
@@ -261,6 +262,8 @@ class EnvClient:
             raise EnvDown(None, "transport_error", f"{method} {path}: {exc}") from None
         except AnswerTooLarge as exc:
             raise EnvAnswerTooLarge(None, "answer_too_large", f"{method} {path}: {exc}") from None
+        except EncodedAnswer as exc:
+            raise BadEnvAnswer(None, "invalid_answer", f"{method} {path}: {exc}") from None
         except TransportError as exc:
             raise EnvUnreachable(None, "transport_error", f"{method} {path}: {exc}") from None
         try:
