@@ -161,7 +161,9 @@ class EnvHealth(BaseModel):
     def _pool_is_a_count(self) -> EnvHealth:
         pool = self.capabilities.get("pool")
         if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 1):
-            raise ValueError(f"capabilities.pool must be a whole number of worlds, at least 1, not {pool!r}")
+            # Its type, not its value: the value is the env's words, and this message reaches a 422.
+            shown = pool if isinstance(pool, int) and not isinstance(pool, bool) else f"a {type(pool).__name__}"
+            raise ValueError(f"capabilities.pool must be a whole number of worlds, at least 1, not {shown}")
         return self
 
     @property
