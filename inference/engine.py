@@ -24,7 +24,7 @@ from .errors import (
     InferenceUnreachable,
     error_text,
 )
-from .transport import AnswerTooLarge, HttpAnswer, HttpTransport, TransportError, TransportTimeout
+from .transport import AnswerTooLarge, EncodedAnswer, HttpAnswer, HttpTransport, TransportError, TransportTimeout
 
 
 class Engine(Protocol):
@@ -71,6 +71,10 @@ class VllmServer:
         its `status` says which) or ValueError (not a model list)."""
         try:
             response = await self._http.request("GET", f"{self.url}/v1/models", headers=self._headers, timeout=10.0)
+        except AnswerTooLarge as exc:
+            raise InferenceAnswerTooLarge(f"{self.url}/v1/models: {exc}") from None
+        except EncodedAnswer as exc:
+            raise BadInferenceResponse(f"{self.url}/v1/models: {exc}") from None
         except TransportError as exc:
             raise InferenceUnreachable(f"{self.url}: {exc}") from None
         if response.status >= 400:
@@ -157,6 +161,8 @@ class VllmServer:
             raise InferenceTimeout(f"{self.url}: no answer in time") from None
         except AnswerTooLarge as exc:
             raise InferenceAnswerTooLarge(f"{self.url}{path}: {exc}") from None
+        except EncodedAnswer as exc:
+            raise BadInferenceResponse(f"{self.url}{path}: {exc}") from None
         except TransportError as exc:
             raise InferenceUnreachable(f"{self.url}: {exc}") from None
         if response.status >= 400:

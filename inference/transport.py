@@ -48,6 +48,15 @@ class ConnectRefused(TransportError):
     """No server is listening (or the connection could not be made at all)."""
 
 
+class EncodedAnswer(TransportError):
+    """An answer with a Content-Encoding though only identity was asked for: its size on the wire says
+    nothing of what it unpacks to (a 300 KB gzip can hold 300 MB), so it is refused, not unpacked."""
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding[:40]
+        super().__init__(f"the answer is encoded ({self.encoding!r}) though identity was asked for")
+
+
 class AnswerTooLarge(TransportError):
     """The answer was longer than the transport's cap: cut off as it came, never held whole."""
 
@@ -189,8 +198,12 @@ class AiohttpTransport(HttpTransport):
             # A connection idle past MAX_IDLE_S is closed, not reused: servers close idle ones (uvicorn
             # after 5 s), and a POST written as the server closes would fail its turn.
             connector = aiohttp.TCPConnector(limit=0, use_dns_cache=False, keepalive_timeout=MAX_IDLE_S)
+            # Answers are read as sent, never unpacked: the cap counts the bytes that would be held.
+            # (aiohttp would otherwise ask for gzip and unpack past the cap checked on Content-Length.)
             self._session = aiohttp.ClientSession(
                 connector=connector,
+                auto_decompress=False,
+                headers={"Accept-Encoding": "identity"},
                 timeout=self._timeout,
                 skip_auto_headers=("User-Agent",),
                 raise_for_status=False,
@@ -247,6 +260,9 @@ class AiohttpTransport(HttpTransport):
     async def _read(self, response: aiohttp.ClientResponse) -> bytes:
         """The body, refused as soon as it outgrows the cap (an announced length over it at once)."""
         limit = self.max_answer_bytes
+        encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise EncodedAnswer(encoding)
         if response.content_length is not None:
             if response.content_length > limit:
                 raise AnswerTooLarge(limit)

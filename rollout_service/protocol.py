@@ -65,12 +65,18 @@ def _check_base_path(url: str, path: str) -> None:
         )
 
 
+def short_text(text: str, limit: int) -> str:
+    """`text`, cut to about `limit` characters where longer (saying how long it was)."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
+
+
 def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
     """Validation errors as one line, `field.path: what is wrong` each: the service's 422 and the
     trainer client's own check word them alike."""
     parts = []
     for e in errors[:5]:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body"
+        # A dict's key is part of the path: cut each part short, or a huge key would come back whole.
+        loc = ".".join(short_text(str(p), 40) for p in e.get("loc", ()) if p != "body") or "body"
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}")
     return "; ".join(parts)

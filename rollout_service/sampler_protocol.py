@@ -5,7 +5,7 @@ the group protocol."""
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -13,6 +13,12 @@ from .protocol import GroupRequest, WireFloat, WireInt, WireIntOrNull, describe_
 
 # The fields of a group that the sampler fills in itself, per group.
 _DRAWN_FIELDS = ("task_id", "slug", "group_id")
+
+
+# As long as the group's own fields allow (GroupRequest.task_id, an env's URL in POST /envs).
+TaskId = Annotated[str, Field(min_length=1, max_length=200)]
+Family = Annotated[str, Field(min_length=1, max_length=200)]
+EnvUrl = Annotated[str, Field(min_length=1, max_length=2048)]
 
 
 def group_from_template(template: dict[str, Any], task_id: str) -> GroupRequest:
@@ -26,11 +32,11 @@ class TaskDraw(BaseModel):
     each task of it once before any twice)."""
 
     model_config = ConfigDict(extra="forbid")
-    task_ids: list[str] | None = Field(None, min_length=1, max_length=100_000, description="draw from these tasks")
-    families: dict[str, WireFloat] | None = Field(
+    task_ids: list[TaskId] | None = Field(None, min_length=1, max_length=100_000, description="draw from these tasks")
+    families: dict[Family, WireFloat] | None = Field(
         None, min_length=1, max_length=10_000, description="task family -> weight (>= 0)"
     )
-    envs: dict[str, WireFloat] | None = Field(
+    envs: dict[EnvUrl, WireFloat] | None = Field(
         None, min_length=1, max_length=1_000, description="env URL (as GET /envs lists it) -> weight (>= 0)"
     )
 

@@ -37,7 +37,14 @@ class _Hostile(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.asked.append(self.path)
-        if self.path.startswith("/redirect/"):
+        if self.path == "/secret-model/v1/models":
+            self._answer(200, json.dumps({"object": "list", "data": [{"id": SECRET}]}).encode(), "application/json")
+        elif self.path == "/secret-pool/health":
+            health = {"status": "ready", "workers": 1, "capabilities": {"pool": SECRET}}
+            self._answer(200, json.dumps(health).encode(), "application/json")
+        elif self.path in ("/endless/v1/models", "/endless/health"):
+            self._endless()
+        elif self.path.startswith("/redirect/"):
             self._answer(
                 302, b"", "text/plain", {"Location": f"http://127.0.0.1:{self.server.server_port}/internal/keys"}
             )
@@ -50,6 +57,16 @@ class _Hostile(BaseHTTPRequestHandler):
             self._answer(404, body.encode(), "application/json")
 
     do_POST = do_GET
+
+    def _endless(self) -> None:
+        """A 200 model list, chunked, that never ends: until the client hangs up."""
+        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n")
+        piece = b'{"data": [' + b" " * 65536
+        try:
+            while True:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
 
     def _answer(self, status: int, body: bytes, kind: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
@@ -250,6 +267,46 @@ def test_a_backend_url_is_an_address_and_a_refusal_never_echoes_what_the_backend
     # A configured backend is checked at start the same way.
     bad = cli("serve", "--model", "m", "--env", f"{env.url}/?x=1", "--vllm", model.url, timeout=60)
     assert bad.returncode == 2 and "--env" in bad.stderr and "query or fragment" in bad.stderr, bad.stderr
+
+
+def test_a_backends_refusal_names_no_value_it_sent_and_an_endless_model_list_is_refused_at_once(
+    start_refenv, start_service, start_scripted_model, hostile
+):
+    """Stand-ins a real backend cannot be made into: a model server listing only a secret model id, an
+    env whose /health carries a secret as its pool size, a model server whose model list never ends.
+    Breaks tried: the listed names in ask_model's refusal (`serves [...]`) -> the secret is in the 422;
+    `pool!r` in EnvHealth's check -> the secret is in the 422; the cap error read as unreachable (the
+    old models() mapping) -> the endless list is asked again and again and POST /replicas answers 504
+    at timeout_s, not 422 at once; the env's refusal worded as before -> "it answered None"."""
+    hostile_url, asked = hostile
+    model = start_scripted_model("answer")
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], "--max-answer-bytes", str(1 << 20), vllm=model.url, model="scripted")
+
+    refused = httpx.post(
+        f"{service.url}/replicas", json={"url": f"{hostile_url}/secret-model", "timeout_s": 10}, timeout=30
+    )
+    assert refused.status_code == 422 and refused.json()["error"] == "replica_refused", refused.text
+    assert SECRET not in refused.text and "'scripted'" in refused.json()["message"], refused.text
+    assert "1 other model" in refused.json()["message"], refused.text
+
+    refused = httpx.post(f"{service.url}/envs", json={"url": f"{hostile_url}/secret-pool", "timeout_s": 10}, timeout=30)
+    assert refused.status_code == 422 and refused.json()["error"] == "env_refused", refused.text
+    assert SECRET not in refused.text and "capabilities.pool" in refused.json()["message"], refused.text
+    assert "not a str" in refused.json()["message"] and "None" not in refused.json()["message"], refused.text
+
+    refused = httpx.post(
+        f"{service.url}/replicas", json={"url": f"{hostile_url}/endless", "timeout_s": 120}, timeout=150
+    )
+    assert refused.status_code == 422 and refused.json()["error"] == "replica_refused", refused.text
+    assert "--max-answer-bytes" in refused.json()["message"], refused.text
+    assert asked.count("/endless/v1/models") == 1, asked  # refused on the first answer, never asked again
+    refused = httpx.post(f"{service.url}/envs", json={"url": f"{hostile_url}/endless", "timeout_s": 120}, timeout=150)
+    assert refused.status_code == 422 and refused.json()["error"] == "env_refused", refused.text
+    message = refused.json()["message"]
+    assert "env_answer_too_large" in message and "answered None" not in message, message
+    assert asked.count("/endless/health") == 1, asked
+    assert SECRET not in json.dumps(httpx.get(f"{service.url}/health/detail", timeout=10).json())
 
 
 def _refenv_at(launch, host: str):

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 
 import pytest
 
-from inference.errors import InferenceAnswerTooLarge
+from inference.errors import BadInferenceResponse, InferenceAnswerTooLarge
 from inference.replicas import ReplicaPool
-from inference.transport import AiohttpTransport, AnswerTooLarge, TransportTimeout
+from inference.transport import AiohttpTransport, AnswerTooLarge, EncodedAnswer, TransportTimeout
 from inference.weights import WeightsClient, WeightUpdateError
 from rollout_service.server.config import ServiceConfig
-from rollout_service.server.env_client import EnvAnswerTooLarge, EnvClient
+from rollout_service.server.env_client import BadEnvAnswer, EnvAnswerTooLarge, EnvClient
 
 CAP = 1 << 20
 HUGE = 64 << 20  # what the hostile server tries to send: far past the cap and every socket buffer
@@ -170,3 +171,73 @@ def test_the_cap_is_a_service_setting_with_a_generated_flag():
     given = parser.parse_args(["--max-answer-bytes", str(CAP)]).max_answer_bytes
     assert ServiceConfig(env=["http://e"], vllm=["http://v"], model="m", max_answer_bytes=given).max_answer_bytes == CAP
     assert ServiceConfig(env=["http://e"], vllm=["http://v"], model="m").max_answer_bytes >= 32768 * 16 * 64
+
+
+def _gzip_bomb(unpacked: int) -> bytes:
+    """`unpacked` zero bytes, gzipped (about a thousandth of that), made a piece at a time."""
+    import zlib
+
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # wbits 31: the gzip format
+    zeros = bytes(1 << 20)
+    packed = [packer.compress(zeros) for _ in range(unpacked >> 20)]
+    return b"".join(packed) + packer.flush()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_gzip_bomb_under_the_cap_on_the_wire_is_refused_not_unpacked():
+    """A stand-in (a real server does not send a bomb) answers ~300 KB of gzip, announced by its
+    Content-Length, that unpacks to 300 MB. The transport asks for identity and refuses any other
+    encoding: the answer is not unpacked (RSS does not grow by hundreds of MB), and the env and the
+    model server fail as a bad answer. Break tried: the session unpacking (auto_decompress on, no
+    Accept-Encoding) -> the 300 MB body came back whole, fails."""
+    bomb = _gzip_bomb(300 << 20)
+    assert len(bomb) < CAP  # under the cap as sent: only what it unpacks to is huge
+    asked: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            fields = dict(
+                (name.strip().lower(), value.strip())
+                for name, _, value in (f.partition(":") for f in head.decode().split("\r\n")[1:] if f)
+            )
+            await reader.readexactly(int(fields.get("content-length", 0)))
+            asked.append(fields.get("accept-encoding", ""))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(bomb), bomb)
+            )
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def go():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        transport = AiohttpTransport(timeout_s=60.0, max_answer_bytes=CAP)
+        env = EnvClient(url, max_answer_bytes=CAP)
+        pool = ReplicaPool([url], max_answer_bytes=CAP, timeout_s=60.0)
+        before = _rss_bytes()
+        try:
+            with pytest.raises(EncodedAnswer):
+                await transport.request("GET", f"{url}/anything")
+            assert _rss_bytes() - before < 100 << 20
+            with pytest.raises(BadEnvAnswer):
+                await env.health()
+            with pytest.raises(BadInferenceResponse):
+                await pool.complete(model="m", prompt_token_ids=[1, 2], sampling={"max_tokens": 4})
+            assert _rss_bytes() - before < 100 << 20
+            assert asked and all(a == "identity" for a in asked), asked  # the oracle: what the server was asked
+        finally:
+            await transport.aclose()
+            await env.aclose()
+            await pool.aclose()
+            server.close()
+
+    asyncio.run(go())

@@ -203,6 +203,30 @@ def test_bad_sample_requests_are_told_why(start_refenv, start_service, start_scr
     assert env_health(env.url)["episodes"]["started"] == 0
 
 
+def test_bad_sample_requests_with_huge_names_are_422_and_the_answer_stays_small(start_refenv, start_service):
+    """A task id, family or env URL of 3 MB (under --max-body-bytes) is the request's mistake: 422 with a
+    short answer, never a 500 or the name echoed back whole; an unknown name under the cap is cut short
+    in the 404. Breaks tried: TaskDraw's items without max_length -> the 3 MB task id is a 500 (the
+    template's ValidationError) and the 3 MB family comes back whole in a 404; the ValidationError not
+    caught in draw_buckets (items capped at 300) -> a 500 for a 250-character task id; describe_errors
+    with the path's parts not cut -> the 3 MB key is in the 422; the unknown family not cut short ->
+    its 199 characters in the 404."""
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url]).url
+    huge = "x" * (3 << 20)
+    for tasks in ({"task_ids": [huge]}, {"families": {huge: 1}}, {"envs": {huge: 1}}, {"task_ids": ["t" * 250]}):
+        answer = httpx.post(f"{service}/groups/sample", json={"count": 1, "tasks": tasks}, timeout=60)
+        assert answer.status_code == 422 and answer.json()["error"] == "invalid_request", answer.text[:2000]
+        assert len(answer.content) < 2000 and "at most" in answer.json()["message"], answer.text[:2000]
+    long_family = "f" * 199
+    answer = httpx.post(
+        f"{service}/groups/sample", json={"count": 1, "tasks": {"families": {long_family: 1}}}, timeout=30
+    )
+    assert answer.status_code == 404 and answer.json()["error"] == "unknown_family", answer.text
+    assert long_family not in answer.text and "199 characters" in answer.text, answer.text
+    assert env_health(env.url)["episodes"]["started"] == 0
+
+
 # -- streams ---------------------------------------------------------------------------------
 
 

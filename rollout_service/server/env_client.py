@@ -12,6 +12,7 @@ from inference.transport import (
     DEFAULT_MAX_ANSWER_BYTES,
     AnswerTooLarge,
     ConnectRefused,
+    EncodedAnswer,
     HttpTransport,
     TransportError,
     TransportTimeout,
@@ -160,7 +161,9 @@ class EnvHealth(BaseModel):
     def _pool_is_a_count(self) -> EnvHealth:
         pool = self.capabilities.get("pool")
         if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 1):
-            raise ValueError(f"capabilities.pool must be a whole number of worlds, at least 1, not {pool!r}")
+            # Its type, not its value: the value is the env's words, and this message reaches a 422.
+            shown = pool if isinstance(pool, int) and not isinstance(pool, bool) else f"a {type(pool).__name__}"
+            raise ValueError(f"capabilities.pool must be a whole number of worlds, at least 1, not {shown}")
         return self
 
     @property
@@ -261,6 +264,8 @@ class EnvClient:
             raise EnvDown(None, "transport_error", f"{method} {path}: {exc}") from None
         except AnswerTooLarge as exc:
             raise EnvAnswerTooLarge(None, "answer_too_large", f"{method} {path}: {exc}") from None
+        except EncodedAnswer as exc:
+            raise BadEnvAnswer(None, "invalid_answer", f"{method} {path}: {exc}") from None
         except TransportError as exc:
             raise EnvUnreachable(None, "transport_error", f"{method} {path}: {exc}") from None
         try:

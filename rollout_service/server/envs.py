@@ -299,9 +299,8 @@ async def ask_env(url: str, client: EnvClient) -> Discovered:
         # env read any page the service can reach. (A BadEnvAnswer's message is the service's own words
         # on the answer's shape.)
         said = f": {exc.message}" if isinstance(exc, BadEnvAnswer) else ""
-        raise StartupError(
-            f"env {url} does not speak the step contract: it answered {exc.status} ({exc.kind}){said}"
-        ) from None
+        answered = f"it answered {exc.status}" if exc.status is not None else "its answer was refused"
+        raise StartupError(f"env {url} does not speak the step contract: {answered} ({exc.kind}){said}") from None
     return Discovered(url, health, tasks)
 
 

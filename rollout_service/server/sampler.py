@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import orjson
+from pydantic import ValidationError
 
-from ..protocol import GRADED_STATUSES
+from ..protocol import GRADED_STATUSES, describe_errors, short_text
 from ..sampler_protocol import DroppedGroup, TaskDraw, _SamplerSettings, group_from_template
-from .errors import Conflict, NotFound, RequestRefused
+from .errors import Conflict, Invalid, NotFound, RequestRefused
 from .stream_out import HeldResults
 
 if TYPE_CHECKING:
@@ -108,9 +109,11 @@ def draw_buckets(service: RolloutService, draw: TaskDraw, template: dict) -> lis
 
     if draw.task_ids is not None:
         for task_id in dict.fromkeys(draw.task_ids):
-            service.admission.resolve(
-                group_from_template(template, task_id)
-            )  # 404 unknown, 409 eval side, 503 draining
+            try:
+                group = group_from_template(template, task_id)
+            except ValidationError as exc:  # the request's mistake: a 422, not a 500
+                raise Invalid("invalid_request", f"task_ids: {describe_errors(exc.errors())}") from None
+            service.admission.resolve(group)  # 404 unknown, 409 eval side, 503 draining
         return [(1.0, list(draw.task_ids))]
     if draw.families is not None:
         by_family: dict[str, list[str]] = {}
@@ -122,7 +125,9 @@ def draw_buckets(service: RolloutService, draw: TaskDraw, template: dict) -> lis
             known = ", ".join(sorted(by_family)[:20]) or "none"
             side = "" if allow_eval else " on the training side"
             raise NotFound(
-                "unknown_family", f"no served task{side} is of family {', '.join(unknown[:5])}; known: {known}"
+                "unknown_family",
+                f"no served task{side} is of family {', '.join(short_text(f, 80) for f in unknown[:5])}; "
+                f"known: {known}",
             )
         return [(w, by_family[f]) for f, w in draw.families.items()]
     if draw.envs is not None:
@@ -131,12 +136,12 @@ def draw_buckets(service: RolloutService, draw: TaskDraw, template: dict) -> lis
             env = service.envs.envs.get(url.rstrip("/"))
             if env is None:
                 known = ", ".join(service.envs.envs) or "none"
-                raise NotFound("unknown_env", f"no env {url} is scheduled here; present: {known}")
+                raise NotFound("unknown_env", f"no env {short_text(url, 200)} is scheduled here; present: {known}")
             if env.contract.side == "eval" and not allow_eval:
                 raise Conflict(
                     "eval_side",
-                    f"env {url} serves the eval side: training on it leaks the held-out set. Set the template's "
-                    "allow_eval_side: true if you mean to",
+                    f"env {short_text(url, 200)} serves the eval side: training on it leaks the held-out set. "
+                    "Set the template's allow_eval_side: true if you mean to",
                 )
             buckets.append((weight, [t for t, target in service.envs.targets.items() if env in target.envs]))
         return buckets

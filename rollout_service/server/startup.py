@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from inference.errors import InferenceError, InferenceUnreachable
+from inference.errors import InferenceAnswerTooLarge, InferenceError, InferenceUnreachable
 from inference.replicas import Endpoint
 
 from ..retry import Backoff
@@ -119,6 +119,11 @@ async def ask_model(route: ModelRoute, endpoint: Endpoint) -> list[str]:
     what waiting cannot fix (not OpenAI-compatible, a key wanted, another model served)."""
     try:
         models = await route.client.list_models(endpoint)
+    except InferenceAnswerTooLarge:  # asking again would only read another one: refused at once
+        raise StartupError(
+            f"model server {endpoint.url}: its answer to GET /v1/models is longer than --max-answer-bytes: "
+            "is it an OpenAI-compatible server?"
+        ) from None
     except InferenceUnreachable as exc:
         raise NotYet(f"unreachable ({exc.detail})") from None
     except InferenceError as exc:
@@ -141,8 +146,10 @@ async def ask_model(route: ModelRoute, endpoint: Endpoint) -> list[str]:
     if not models:  # a router in front of replicas that have not registered yet
         raise NotYet("GET /v1/models lists no model yet")
     if route.request_model not in models:
+        # How many, not which: the names are the backend's words, and a refusal never repeats them.
         raise StartupError(
-            f"model server {endpoint.url} serves {models}, not {route.request_model!r}: "
-            "pass --model (or --support-model, or model= of --model-endpoint) with one of those names"
+            f"model server {endpoint.url} does not serve {route.request_model!r} (it lists {len(models)} "
+            "other model(s); GET /v1/models on it names them): pass --model (or --support-model, or model= "
+            "of --model-endpoint) with one of those names"
         )
     return models
