@@ -101,14 +101,26 @@ def unclaimed_ports(count: int = 1) -> int:
     raise RuntimeError("no free port range")
 
 
-def results_alive() -> list[str]:
-    """The type names of the Attempt, Turn and GroupResult objects this process still holds, after a
-    collection: the garbage collector's own list, the oracle for "nothing keeps a finished group". By
-    type: isinstance asks each object its __class__, and some run code when asked (torch's deprecated
-    reduce_op warns)."""
+def _results() -> list[object]:
     import gc
 
     from rollout_service.protocol import Attempt, GroupResult, Turn
 
     gc.collect()
-    return [type(o).__name__ for o in gc.get_objects() if issubclass(type(o), Attempt | Turn | GroupResult)]
+    return [o for o in gc.get_objects() if issubclass(type(o), Attempt | Turn | GroupResult)]
+
+
+def results_held() -> list[object]:
+    """The result objects alive before a retention check starts: an earlier test in this worker may
+    have left some (TRL keeps its trainer, and what it saw, reachable). The caller holds this list
+    for the check, so no id in it can be reused by one of the check's own objects."""
+    return _results()
+
+
+def results_alive(held: list[object] | None = None) -> list[str]:
+    """The type names of the Attempt, Turn and GroupResult objects this process still holds after a
+    collection, less those `held` from before the check: the garbage collector's own list, the oracle
+    for "nothing keeps a finished group". By type: isinstance asks each object its __class__, and
+    some run code when asked (torch's deprecated reduce_op warns)."""
+    before = {id(o) for o in held or ()}
+    return [type(o).__name__ for o in _results() if id(o) not in before]
