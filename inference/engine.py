@@ -18,6 +18,7 @@ from .errors import (
     BadInferenceResponse,
     ContextOverflow,
     InferenceAnswerTooLarge,
+    InferenceError,
     InferenceRejected,
     InferenceServerError,
     InferenceTimeout,
@@ -71,12 +72,8 @@ class VllmServer:
         its `status` says which) or ValueError (not a model list)."""
         try:
             response = await self._http.request("GET", f"{self.url}/v1/models", headers=self._headers, timeout=10.0)
-        except AnswerTooLarge as exc:
-            raise InferenceAnswerTooLarge(f"{self.url}/v1/models: {exc}") from None
-        except EncodedAnswer as exc:
-            raise BadInferenceResponse(f"{self.url}/v1/models: {exc}") from None
-        except TransportError as exc:
-            raise InferenceUnreachable(f"{self.url}: {exc}") from None
+        except TransportError as exc:  # a timeout too: the start-up probe asks again, as for no answer
+            raise _transport_failure(exc, self.url, "/v1/models") from None
         if response.status >= 400:
             cls = InferenceServerError if response.status >= 500 else InferenceRejected
             raise cls(error_text(response), response.status)
@@ -159,12 +156,8 @@ class VllmServer:
             response = await self._http.request("POST", f"{self.url}{path}", json=body, headers=self._headers)
         except TransportTimeout:
             raise InferenceTimeout(f"{self.url}: no answer in time") from None
-        except AnswerTooLarge as exc:
-            raise InferenceAnswerTooLarge(f"{self.url}{path}: {exc}") from None
-        except EncodedAnswer as exc:
-            raise BadInferenceResponse(f"{self.url}{path}: {exc}") from None
         except TransportError as exc:
-            raise InferenceUnreachable(f"{self.url}: {exc}") from None
+            raise _transport_failure(exc, self.url, path) from None
         if response.status >= 400:
             detail = error_text(response)
             if response.status >= 500:
@@ -173,3 +166,12 @@ class VllmServer:
                 raise ContextOverflow(detail, response.status)
             raise InferenceRejected(detail, response.status)
         return response
+
+
+def _transport_failure(exc: TransportError, url: str, path: str) -> InferenceError:
+    """What a failed exchange with a model server means, but for a timeout (each call names its own)."""
+    if isinstance(exc, AnswerTooLarge):
+        return InferenceAnswerTooLarge(f"{url}{path}: {exc}")
+    if isinstance(exc, EncodedAnswer):
+        return BadInferenceResponse(f"{url}{path}: {exc}")
+    return InferenceUnreachable(f"{url}: {exc}")
