@@ -100,13 +100,43 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def top_logprobs(vllm: str, model: str, prompt: list[int]) -> dict[int, float]:
+    """`model`'s 20 likeliest next tokens after `prompt`, with their logprobs, straight from vLLM.
+    (Not `prompt_logprobs`: with LoRA enabled it stops the CPU build's engine.)"""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 20}
+    answer = httpx.post(f"{vllm}/v1/completions", json={**body, "return_tokens_as_token_ids": True}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    top = answer.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+    return {int(t.split(":")[1]): lp for t, lp in top.items()}
+
+
 def assert_made_by(vllm: str, attempt: dict, turn: dict, own: str, other: str) -> None:
     """The turn's tokens follow `own`'s greedy answer further than `other`'s. (Both share the tokens
-    the JSON grammar forces; a near-tie in a batched bf16 step may end a replay early.)"""
+    the JSON grammar forces; a near-tie in a batched bf16 step may end a replay early, even at its
+    first token, so `own` gets three replays, each batched beside whatever else runs then.)"""
     ids = turn["completion_token_ids"]
-    mine = shared_prefix(regenerate(vllm, own, attempt, turn), ids)
     theirs = shared_prefix(regenerate(vllm, other, attempt, turn), ids)
-    assert mine > theirs, (turn["policy_version"], mine, theirs, len(ids))
+    tries = []
+    for _ in range(3):
+        tries.append(shared_prefix(regenerate(vllm, own, attempt, turn), ids))
+        if tries[-1] > theirs:
+            return
+    raise AssertionError((turn["policy_version"], tries, theirs, len(ids)))
+
+
+def assert_same_greedy_answer(vllm: str, one: dict, other: dict) -> None:
+    """Two greedy first turns at the same prompt agree token for token, or up to a near-tie: where
+    they part, both tokens are among the base model's top 20 there, within 0.5 nats of each other.
+    (bf16 kernels round differently as batch shapes change, so a near-tie may fall either way.)"""
+    prompt = prompt_ids(one["attempts"][0])
+    assert prompt == prompt_ids(other["attempts"][0])
+    a, b = first_turn_ids(one), first_turn_ids(other)
+    if a == b:
+        return
+    k = shared_prefix(a, b)
+    assert k < min(len(a), len(b)), (k, a, b)  # one answer is not the other's prefix
+    top = top_logprobs(vllm, MODEL, prompt + a[:k])
+    assert a[k] in top and b[k] in top and abs(top[a[k]] - top[b[k]]) < 0.5, (k, a[k], b[k], top)
 
 
 def post_policy(service: str, **body) -> httpx.Response:
@@ -149,14 +179,14 @@ def test_adapter_versions_answer_as_their_weights(start_refenv, start_service, v
     base = group(service, sampling=GREEDY)
     assert {t["policy_version"] for t in base["attempts"][0]["turns"]} == {"base"}
 
-    # B = 0: the adapter adds nothing, so greedy decoding gives the base model's tokens.
+    # B = 0: the adapter adds nothing, so greedy decoding gives the base model's tokens (up to a near-tie).
     update = post_policy(service, version="zero", lora={"path": make_adapter(tmp_path / "zero", 0.0)})
     assert update.status_code == 200, update.text
     assert [r["ok"] for r in update.json()["replicas"]] == [True] and update.json()["previous"] == "base"
     zero_name = policy(service)["served_model"]
     assert zero_name in served_models(vllm_url)  # the model server's own list
     zero = group(service, sampling=GREEDY)
-    assert first_turn_ids(zero) == first_turn_ids(base)
+    assert_same_greedy_answer(vllm_url, zero, base)
     assert {t["policy_version"] for t in zero["attempts"][0]["turns"]} == {"zero"}
     assert zero["oldest_policy_version"] == zero["newest_policy_version"] == "zero"
 

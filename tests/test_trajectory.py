@@ -192,13 +192,17 @@ def test_a_rewritten_history_cuts_a_segment_and_says_so(exact_run):
 
 def test_logprobs_without_a_constraint_agree_with_transformers(exact_run):
     """Unconstrained turns' logprobs are the policy's own: recomputed in float32 from the segment's
-    ids, they agree to bf16 noise, with no offset."""
+    ids, they agree to bf16 noise, with no offset. bf16 noise on this model is ~0.04 nats mean on a
+    quiet server and up to ~0.06 while other tests' requests share its batches (batch shapes change
+    the kernels' rounding); the same logprobs read one position off are ~2 nats away, so the bounds
+    below still tell the policy's own logprobs from misaligned or other weights' ones."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir(), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32)
     model.eval()
     deltas: list[float] = []
+    shifted: list[float] = []  # the same logprobs against the next position's: what misalignment gives
     for attempt in attempts_of(exact_run[1]):
         assert all(not t["constrained"] for t in attempt["turns"])
         for segment in attempt["trajectory"]:
@@ -209,13 +213,18 @@ def test_logprobs_without_a_constraint_agree_with_transformers(exact_run):
             for position, (mask, lp) in enumerate(zip(segment["loss_mask"], segment["logprobs"], strict=True)):
                 if mask:
                     deltas.append(lp - own[position - 1].item())
+                    if position < len(own):
+                        shifted.append(abs(lp - own[position].item()))
     assert len(deltas) >= 30
     absolute = [abs(d) for d in deltas]
     print("agreement:", len(deltas), "tokens; mean |d|", statistics.mean(absolute), "max", max(absolute))
+    print("signed mean", statistics.mean(deltas), "; one position off: mean |d|", statistics.mean(shifted))
     print("largest:", sorted(absolute)[-10:])
-    assert statistics.mean(absolute) < 0.05, statistics.mean(absolute)
-    assert max(absolute) < 0.5, max(absolute)
-    assert abs(statistics.mean(deltas)) < 0.02, statistics.mean(deltas)  # no systematic offset
+    assert statistics.mean(absolute) < 0.1, statistics.mean(absolute)
+    assert statistics.median(absolute) < 0.05, statistics.median(absolute)
+    assert max(absolute) < 1.0, max(absolute)
+    assert abs(statistics.mean(deltas)) < 0.03, statistics.mean(deltas)  # no systematic offset
+    assert statistics.mean(shifted) > 10 * statistics.mean(absolute), statistics.mean(shifted)
     assert all(math.isfinite(d) for d in deltas)
 
 
