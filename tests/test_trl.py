@@ -231,3 +231,77 @@ def test_unscorable_attempts_are_rows_that_train_nothing():
         assert rows["completion_ids"][row] == [2] and rows["env_mask"][row] == [0] and rows["prompt_ids"][row]
     assert rows["env_reward"] == [1.0, None, None, None]
     assert env_reward(completions=[""] * 4, **rows) == [1.0, None, None, None]
+
+
+class _Accelerator:
+    is_main_process = True
+
+    def unwrap_model(self, model):
+        return model
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+class _AdapterModel:
+    """Stands for TRL's PeftModel where only its adapter files matter: save_pretrained writes a
+    zero-B LoRA for the embedded model (what a real PeftModel writes, without a training step)."""
+
+    peft_config: dict = {}
+    active_adapter = "default"
+    training = True
+
+    def save_pretrained(self, folder: str, selected_adapters: list[str]) -> None:
+        from test_policy import make_adapter
+
+        make_adapter(Path(folder), 0.0)
+
+
+class _Trainer:
+    def __init__(self, step: int = 0) -> None:
+        self.model = _AdapterModel()
+        self.accelerator = _Accelerator()
+        self.state = type("State", (), {"global_step": step})()
+        self.temperature, self.top_p, self.max_completion_length = 1.0, 1.0, 16
+        self.num_generations = self.num_generations_eval = 2
+
+
+def test_a_resumed_run_serves_its_adapter_under_a_new_label(start_refenv, start_service, vllm_url, tmp_path):
+    """A run resumed under the same `run` name finds its step's version taken on the service (and, in
+    the same adapter folder, its files written): it serves the adapter as `<version>.2` in a folder of
+    its own; the first run's folder is not written again. TRL's evaluation asks for eval-side tasks.
+    The service, refenv and vLLM are real; the trainer object is a stand-in (only its adapter files,
+    step and flags are read here)."""
+    train = start_refenv("--pool", "2", "--split", "auto:0.8", "--side", "train")
+    evals = start_refenv("--pool", "2", "--split", "auto:0.8", "--side", "eval")
+    service = start_service([train.url, evals.url]).url
+    client = RolloutClient(service)
+    served = []
+    try:
+        first = service_rollout(client, adapter_dir=tmp_path / "a", run="resume")
+        first.sync(_Trainer())
+        served.append(httpx.get(f"{service}/policy", timeout=10).json()["served_model"])
+        files = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a" / "resume-step0").iterdir()}
+        versions = [first.version]
+        for folder in ("a", "b"):  # the same adapter folder, then a fresh one: both find the label taken
+            again = service_rollout(client, adapter_dir=tmp_path / folder, run="resume")
+            again.sync(_Trainer())
+            versions.append(again.version)
+            state = httpx.get(f"{service}/policy", timeout=10).json()
+            assert state["version"] == again.version
+            served.append(state["served_model"])
+        assert versions == ["resume-step0", "resume-step0.2", "resume-step0.3"], versions
+        assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a" / "resume-step0").iterdir()} == files
+
+        # TRL's evaluation loop (model not training) asks for eval-side tasks; the service serves them.
+        trainer = _Trainer()
+        trainer.model.training = False
+        eval_task = task_dataset(client, side="eval")["prompt"][0]
+        assert first._request(eval_task, 2, trainer)["allow_eval_side"] is True
+        assert first._request(eval_task, 2, _Trainer())["allow_eval_side"] is False
+        item = next(iter(client.groups([first._request(eval_task, 1, trainer)])))
+        assert item.error is None and item.group is not None and item.group.env.side == "eval", item.error
+    finally:
+        client.close()
+        for name in set(served):
+            httpx.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)

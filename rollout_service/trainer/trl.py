@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from ..protocol import Attempt, GroupResult
-from .client import RolloutClient
+from .client import RequestRejected, RolloutClient
 from .sharded import ShardedClient
 from .trajectory import NoTrajectory
 
@@ -192,16 +192,34 @@ class ServiceRollout:
                 "service_rollout serves the trainer's LoRA adapter: give GRPOTrainer a peft_config (or a PeftModel)"
             )
         version = f"{self.run}-step{step}"
-        folder = (self.adapter_dir / version).resolve()
         result = None
         # Under accelerate every process holds the same adapter: one saves and serves it, and none
         # asks for groups before it is served.
         if trainer.accelerator.is_main_process:
-            model.save_pretrained(str(folder), selected_adapters=[model.active_adapter])
-            result = self.client.update_policy(version, lora=str(folder))
+            version, result = self._serve(model, version)
         trainer.accelerator.wait_for_everyone()
+        folder = (self.adapter_dir / version).resolve()
         self.pushed_step, self.version = step, version
         self.pushes.append({"step": step, "version": version, "folder": str(folder), "result": result})
+
+    def _serve(self, model: Any, version: str) -> tuple[str, Any]:
+        """Save and serve the adapter as `version`. A run resumed under the same `run` finds its
+        step's name taken (a version is a label the service never reuses) and its folder written:
+        it serves the adapter it holds now as `<version>.2`, `.3`... in a folder of its own, so no
+        label ever names two adapters and no served folder is overwritten."""
+        for attempt in range(1, 100):
+            name = version if attempt == 1 else f"{version}.{attempt}"
+            folder = (self.adapter_dir / name).resolve()
+            if folder.exists():
+                continue
+            model.save_pretrained(str(folder), selected_adapters=[model.active_adapter])
+            try:
+                return name, self.client.update_policy(name, lora=str(folder))
+            except RequestRejected as refused:
+                if refused.error != "version_exists":
+                    raise
+            log.info("version %s is taken (a resumed run?): the adapter is served under the next free name", name)
+        raise RuntimeError(f"{version} and {version}.2 to .99 are all taken (folders under {self.adapter_dir})")
 
     def _request(self, task: str, n: int, trainer: Any) -> dict[str, Any]:
         sampling = {
@@ -217,6 +235,9 @@ class ServiceRollout:
             "constrained": False,
             # Nothing else moves the policy during a rollout: an attempt that did fell behind is re-run.
             "max_staleness": 0,
+            # TRL's evaluation loop asks for its eval dataset's tasks: those the service keeps for
+            # measurement (task_dataset(side="eval")), refused to training requests by default.
+            "allow_eval_side": not trainer.model.training,
             **self.request,
         }
         fields["sampling"] = {**sampling, **self.request.get("sampling", {})}
