@@ -21,6 +21,7 @@ from .errors import MAX_DETAIL_CHARS, error_text
 from .transport import (
     DEFAULT_MAX_ANSWER_BYTES,
     AnswerTooLarge,
+    EncodedAnswer,
     HttpAnswer,
     HttpTransport,
     TransportError,
@@ -77,8 +78,9 @@ class WeightsClient:
         target = f"{url}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
         try:
             response = await self._http.request(method, target, json=json, headers=self._headers, timeout=timeout)
-        except AnswerTooLarge as exc:
-            raise WeightUpdateError(url, action, str(exc)) from None
+        except (AnswerTooLarge, EncodedAnswer) as exc:
+            # It answered: what it sent was refused unread, which says nothing of whether it is up.
+            raise WeightUpdateError(url, action, f"its answer was refused: {exc}") from None
         except TransportError as exc:
             raise WeightUpdateError(url, action, f"unreachable: {exc}") from None
         if response.status == 404 and "Not Found" in response.text[:100]:

@@ -192,8 +192,10 @@ def test_a_gzip_bomb_under_the_cap_on_the_wire_is_refused_not_unpacked():
     """A stand-in (a real server does not send a bomb) answers ~300 KB of gzip, announced by its
     Content-Length, that unpacks to 300 MB. The transport asks for identity and refuses any other
     encoding: the answer is not unpacked (RSS does not grow by hundreds of MB), and the env and the
-    model server fail as a bad answer. Break tried: the session unpacking (auto_decompress on, no
-    Accept-Encoding) -> the 300 MB body came back whole, fails."""
+    model server fail as a bad answer, and a weight call says its answer was refused (not that the
+    server is unreachable). Breaks tried: the session unpacking (auto_decompress on, no
+    Accept-Encoding) -> the 300 MB body came back whole, fails; WeightsClient reading EncodedAnswer as
+    any other TransportError -> "unreachable: the answer is encoded", fails."""
     bomb = _gzip_bomb(300 << 20)
     assert len(bomb) < CAP  # under the cap as sent: only what it unpacks to is huge
     asked: list[str] = []
@@ -223,6 +225,7 @@ def test_a_gzip_bomb_under_the_cap_on_the_wire_is_refused_not_unpacked():
         transport = AiohttpTransport(timeout_s=60.0, max_answer_bytes=CAP)
         env = EnvClient(url, max_answer_bytes=CAP)
         pool = ReplicaPool([url], max_answer_bytes=CAP, timeout_s=60.0)
+        weights = WeightsClient(max_answer_bytes=CAP)
         before = _rss_bytes()
         try:
             with pytest.raises(EncodedAnswer):
@@ -232,12 +235,16 @@ def test_a_gzip_bomb_under_the_cap_on_the_wire_is_refused_not_unpacked():
                 await env.health()
             with pytest.raises(BadInferenceResponse):
                 await pool.complete(model="m", prompt_token_ids=[1, 2], sampling={"max_tokens": 4})
+            with pytest.raises(WeightUpdateError) as refused:
+                await weights.version(url)
+            assert "refused" in refused.value.detail and "unreachable" not in refused.value.detail, refused.value
             assert _rss_bytes() - before < 100 << 20
             assert asked and all(a == "identity" for a in asked), asked  # the oracle: what the server was asked
         finally:
             await transport.aclose()
             await env.aclose()
             await pool.aclose()
+            await weights.aclose()
             server.close()
 
     asyncio.run(go())
