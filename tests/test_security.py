@@ -11,6 +11,8 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -225,6 +227,75 @@ def test_the_service_sends_the_envs_token(start_refenv, start_service, start_scr
     refused = start_service([env.url], "--startup-timeout", "5", wait=False, vllm=model.url, model="scripted")
     assert refused.proc.proc.wait(120) != 0
     assert "401" in refused.proc.log_path.read_text() or "unauthorized" in refused.proc.log_path.read_text()
+
+
+class _EnvStandIn(BaseHTTPRequestHandler):
+    """Records every (path, Authorization) it is sent. Under /notenv/ it is no env (404); /notready/ an
+    env not ready yet; /nostep/ a ready env without step mode; /good/ a ready step env serving no task."""
+
+    seen: list[tuple[str, str | None]]
+    HEALTH = {"status": "ready", "workers": 1, "capabilities": {"drive_modes": ["step"]}}
+
+    def do_GET(self) -> None:
+        self.seen.append((self.path, self.headers.get("Authorization")))
+        health = dict(self.HEALTH)
+        if self.path == "/notready/health":
+            health["status"] = "starting"
+        elif self.path == "/nostep/health":
+            health["capabilities"] = {"drive_modes": ["hosted"]}
+        elif self.path == "/good/tasks":
+            health = {"tasks": []}
+        elif self.path not in ("/good/health",):
+            self._answer(404, {"error": "not_found", "message": "no such page"})
+            return
+        self._answer(200, health)
+
+    def _answer(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_envs_token_goes_only_to_an_env_whose_health_was_accepted(
+    start_refenv, start_service, start_scripted_model
+):
+    """POST /envs of URLs that are no env, not ready, not in step mode: none is sent the env's token;
+    an env whose /health passed gets it from its next call on (/tasks). The oracle: a stand-in env
+    recording the headers it was sent (a real env would not say). Break tried: the token on every call
+    from the first (the old EnvClient) -> the /health probes carried it, fails."""
+    seen: list[tuple[str, str | None]] = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("EnvStandIn", (_EnvStandIn,), {"seen": seen}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = start_refenv("--pool", "2", "--token", TOKEN)
+        model = start_scripted_model("answer")
+        service = start_service(
+            [env.url],
+            "--env-token-env",
+            "TEST_ENV_TOKEN",
+            env={"TEST_ENV_TOKEN": TOKEN},
+            vllm=model.url,
+            model="scripted",
+        )
+        stand_in = f"http://127.0.0.1:{server.server_port}"
+        expected = {"notenv": (422, "env_refused"), "notready": (504, "env_not_ready"), "nostep": (422, "env_refused")}
+        expected["good"] = (422, "env_refused")  # it serves no task: refused after /tasks
+        for name, (status, error) in expected.items():
+            r = httpx.post(f"{service.url}/envs", json={"url": f"{stand_in}/{name}", "timeout_s": 3}, timeout=60)
+            assert (r.status_code, r.json()["error"]) == (status, error), (name, r.text)
+        with_token = sorted({path for path, auth in seen if auth is not None})
+        assert with_token == ["/good/tasks"], seen
+        assert ("/good/tasks", f"Bearer {TOKEN}") in seen and ("/nostep/tasks", None) not in seen, seen
+        assert {path for path, _ in seen} >= {"/notenv/health", "/notready/health", "/nostep/health", "/good/health"}
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # -- checkpoint paths: checked, bounded, and telling nothing (item 8) -------------------------------

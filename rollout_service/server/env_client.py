@@ -203,16 +203,24 @@ class EnvClient:
         token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        # The env's own token (refenv --token), sent with every call: envs that ask for none ignore it.
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # The env's own token (refenv --token): held back until `accept`, so that a URL that has not
+        # shown it is an env (its /health read and checked) never sees it. /health never carries it
+        # (the contract keeps it open). Envs that ask for no token ignore it.
+        self._token_headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers: dict[str, str] = {}
         # `transport`: an httpx transport standing in for the env (tests); otherwise the service's own stack.
         self._http: HttpTransport = make_transport(timeout_s, transport, max_answer_bytes=max_answer_bytes)
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    def accept(self) -> None:
+        """Its /health was read and it speaks the step contract: every call but /health carries
+        the token from now on."""
+        self._headers = self._token_headers
+
     async def health(self) -> EnvHealth:
-        return _validate(EnvHealth, await self._call("GET", "/health"))
+        return _validate(EnvHealth, await self._call("GET", "/health", headers={}))
 
     async def tasks(self) -> list[EnvTask]:
         data = await self._call("GET", "/tasks")
@@ -253,10 +261,22 @@ class EnvClient:
         except EpisodeGone:
             pass
 
-    async def _call(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> dict:  # noqa: ASYNC109 - a per-request deadline
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-request deadline
+        headers: dict[str, str] | None = None,
+    ) -> dict:
         try:
             response = await self._http.request(
-                method, self.base_url + path, json=json, timeout=timeout, headers=self._headers
+                method,
+                self.base_url + path,
+                json=json,
+                timeout=timeout,
+                headers=self._headers if headers is None else headers,
             )
         except TransportTimeout as exc:
             raise EnvUnreachable(None, "transport_timeout", f"{method} {path}: {exc}") from None

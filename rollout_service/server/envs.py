@@ -289,6 +289,8 @@ async def ask_env(url: str, client: EnvClient) -> Discovered:
         health = await client.health()
         if health.status != "ready":
             raise NotYet(f"status {health.status!r}, not 'ready'")
+        refuse_unless_step(url, health)
+        client.accept()  # an env by its /health: the rest is asked with the env's token
         tasks = await client.tasks()
     except EnvError as exc:
         if isinstance(exc, EnvUnreachable):
@@ -304,13 +306,16 @@ async def ask_env(url: str, client: EnvClient) -> Discovered:
     return Discovered(url, health, tasks)
 
 
+def refuse_unless_step(url: str, health: EnvHealth) -> None:
+    drive_modes = health.capabilities.get("drive_modes")
+    if drive_modes is not None and "step" not in drive_modes:
+        # Not its words (see ask_env): the modes it lists lack step.
+        raise StartupError(f"env {url} does not serve step mode (its drive_modes lack 'step'): start it with --step")
+
+
 def checked_env(found: Discovered, client: EnvClient) -> EnvHandle:
     """The env as the scheduler and runner see it, or StartupError if it cannot serve episodes."""
-    drive_modes = found.health.capabilities.get("drive_modes")
-    if drive_modes is not None and "step" not in drive_modes:
-        raise StartupError(
-            f"env {found.url} does not serve step mode (drive_modes={drive_modes}): start it with --step"
-        )
+    refuse_unless_step(found.url, found.health)
     if not found.tasks:
         raise StartupError(f"env {found.url} serves no task")
     contract = EnvContract(
