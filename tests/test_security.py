@@ -381,6 +381,56 @@ def test_the_checkpoint_root_bounds_both_kinds_after_resolving_symlinks(
     assert inside.status_code == 200 and policy_version(service) == "v1", inside.text
 
 
+def test_a_checkpoint_whose_files_link_out_of_the_root_is_refused_and_the_resolved_folder_is_loaded(
+    start_refenv, start_service, start_scripted_model, tmp_path
+):
+    """Any file the engine reads, not only the config and *.safetensors: a *.bin, a tokenizer file, a
+    file in a sub-folder, a linked sub-folder, each a link out of the root -> 422 checkpoint_refused
+    and no load reaches the model server (its own count is the oracle). A folder reached through a
+    link inside the root is loaded by its resolved path (what the model server was told, from its
+    own record). Breaks tried: the old check (config and *.safetensors only) -> the *.bin, tokenizer
+    and sub-folder links were accepted and loaded, fails; the path forwarded as given -> the server
+    was told root/alias, fails."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret.bin").write_bytes(b"not yours")
+    (outside / "folder").mkdir()
+    env = start_refenv("--pool", "2")
+    model = start_scripted_model("answer")
+    service = start_service([env.url], "--checkpoint-root", str(root), vllm=model.url, model="scripted")
+    leaks = {
+        "a *.bin": "adapter_model.bin",
+        "a tokenizer file": "tokenizer.json",
+        "a file in a sub-folder": "sub/extra.bin",
+        "a linked sub-folder": "shards",
+    }
+    for case, name in leaks.items():
+        folder = Path(lora_folder(root / case.replace(" ", "-").replace("*", "")))
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).symlink_to(outside / ("folder" if name == "shards" else "secret.bin"))
+        r = post_policy(service, version="v-bad", lora={"path": str(folder)})
+        assert r.status_code == 422 and r.json()["error"] == "checkpoint_refused", (case, r.text)
+        assert REFUSED_UNDER_ROOT in r.json()["message"], (case, r.text)
+    weights = root / "weights-with-a-leak"
+    weights.mkdir()
+    (weights / "config.json").write_text("{}")
+    (weights / "model.safetensors").write_text("")
+    (weights / "pytorch_model.bin").symlink_to(outside / "secret.bin")
+    r = post_policy(service, version="v-bad", weights={"path": str(weights)})
+    assert r.status_code == 422 and r.json()["error"] == "checkpoint_refused", r.text
+    stats = httpx.get(f"{model.url}/stats", timeout=10).json()
+    assert stats["loads_started"] == 0, stats
+    # Links that stay inside the root are fine; the model server is told where they lead.
+    real = Path(lora_folder(root / "adapters" / "v1"))
+    (real / "tokenizer.json").symlink_to(real / "adapter_config.json")
+    (root / "alias").symlink_to(real)
+    r = post_policy(service, version="v1", lora={"path": str(root / "alias")})
+    assert r.status_code == 200 and policy_version(service) == "v1", r.text
+    loaded = httpx.get(f"{model.url}/stats", timeout=10).json()["adapters"]
+    assert list(loaded.values()) == [str(real.resolve())], loaded
+
+
 def test_serve_refuses_a_checkpoint_root_that_is_not_a_folder(tmp_path):
     done = cli(
         "serve", "--env", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9", "--model", "m",

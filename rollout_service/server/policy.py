@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -350,22 +351,23 @@ class PolicyManager:
             previous = self.current
             step = previous.step + 1
             if update.lora is not None:
-                await asyncio.to_thread(check_checkpoint, update.lora.path, "lora", self.checkpoint_root)
+                # The folder as checked, links resolved, is what the replicas are told to load.
+                path = await asyncio.to_thread(check_checkpoint, update.lora.path, "lora", self.checkpoint_root)
                 beneath = previous.weights if previous.kind == "lora" else previous
                 version = PolicyVersion(
                     update.version,
                     step,
                     "lora",
                     f"{self.base_model}@{update.version}",
-                    update.lora.path,
+                    path,
                     beneath if beneath is not None and beneath.kind != "base" else None,
                 )
                 outcomes = await self._load_adapter_everywhere(version)
                 if self.paused and any(o.ok for o in outcomes):
                     await self._resume(self._paused_urls)  # the trainer's pause ends with its update
             elif update.weights is not None:
-                await asyncio.to_thread(check_checkpoint, update.weights.path, "weights", self.checkpoint_root)
-                version = PolicyVersion(update.version, step, "weights", self.base_model, update.weights.path)
+                path = await asyncio.to_thread(check_checkpoint, update.weights.path, "weights", self.checkpoint_root)
+                version = PolicyVersion(update.version, step, "weights", self.base_model, path)
                 outcomes = await self._reload_everywhere(version)
             else:
                 version = PolicyVersion(update.version, step, "pushed", self.base_model)
@@ -774,45 +776,77 @@ async def _failed_outcome(outcome: _Outcome) -> _Outcome:
 CHECKPOINT_CONFIG = {"weights": "config.json", "lora": "adapter_config.json"}
 
 
-def check_checkpoint(path: str, kind: Literal["weights", "lora"], root: str | None = None) -> None:
-    """Refuse a folder vLLM could not load, before any replica is paused. vLLM 0.32 reloads in place,
-    and a reload that fails (a missing folder, no weights in it) leaves the replica broken until it
-    restarts; so the folder must be visible to the service too (the same machine or shared storage)
-    and hold its config and safetensors weights. With `root` (--checkpoint-root), the folder and
-    every file read from it must be under it once symlinks are resolved.
+def check_checkpoint(path: str, kind: Literal["weights", "lora"], root: str | None = None) -> str:
+    """The folder, its links resolved (what the replicas are told to load), or Invalid for a folder
+    vLLM could not load, before any replica is paused. vLLM 0.32 reloads in place, and a reload that
+    fails (a missing folder, no weights in it) leaves the replica broken until it restarts; so the
+    folder must be visible to the service too (the same machine or shared storage) and hold its
+    config and safetensors weights. With `root` (--checkpoint-root), the folder and every entry in it,
+    at any depth (whatever the engine reads: weights in any format, configs, tokenizer files), must be
+    under it once symlinks are resolved.
 
     One answer for every refusal: which folders exist on this host is none of the caller's business."""
-    if not _readable_checkpoint(path, CHECKPOINT_CONFIG[kind], root):
+    real = _readable_checkpoint(path, CHECKPOINT_CONFIG[kind], root)
+    if real is None:
         under = " under the checkpoint root" if root else ""
         raise Invalid(
             "checkpoint_refused",
             f"{path[:200]!r} is not a readable checkpoint{under}: give the absolute path of a folder the service "
             f"and the model servers both read, holding {CHECKPOINT_CONFIG[kind]} and *.safetensors weights",
         )
+    return str(real)
 
 
-def _readable_checkpoint(path: str, config_name: str, root: str | None) -> bool:
+# A checkpoint folder holds a config, weights (sharded: a few hundred files) and tokenizer files; a
+# folder with more entries than this is not walked (the check runs on every update) but refused.
+_MAX_CHECKPOINT_ENTRIES = 10_000
+
+
+def _readable_checkpoint(path: str, config_name: str, root: str | None) -> Path | None:
     try:
         folder = Path(path)
         if not folder.is_absolute():  # the model servers would resolve it against their own directory
-            return False
+            return None
         real = folder.resolve(strict=True)
         bound = Path(root).resolve(strict=True) if root else None
 
-        def readable(target: Path, mode: int) -> bool:
+        def inside(target: Path) -> bool:
             resolved = target.resolve(strict=True)
-            inside = bound is None or resolved == bound or resolved.is_relative_to(bound)
-            return inside and os.access(resolved, mode)
+            return bound is None or resolved == bound or resolved.is_relative_to(bound)
+
+        def readable(target: Path, mode: int) -> bool:
+            return inside(target) and os.access(target.resolve(strict=True), mode)
 
         if not real.is_dir() or not readable(real, os.R_OK | os.X_OK):
-            return False
+            return None
         config = real / config_name
         if not config.is_file() or not readable(config, os.R_OK):
-            return False
+            return None
         weights = [f for f in real.glob("*.safetensors") if f.is_file()]
-        return bool(weights) and all(readable(f, os.R_OK) for f in weights)
+        if not weights or not all(readable(f, os.R_OK) for f in weights):
+            return None
+        if bound is not None and not _entries_inside(real, inside):
+            return None
+        return real
     except (OSError, ValueError, RuntimeError):  # missing, a loop of links, a name the file system refuses
-        return False
+        return None
+
+
+def _entries_inside(folder: Path, inside: Callable[[Path], bool]) -> bool:
+    """Every entry under `folder`, at any depth, resolves inside the root: a link anywhere in it that
+    leaves the root (a *.bin, a tokenizer file, a linked sub-folder) refuses the folder. Linked
+    folders are checked, not walked into."""
+    seen = 0
+    for top, folders, files in os.walk(folder, followlinks=False, onerror=_raise):
+        for name in (*folders, *files):
+            seen += 1
+            if seen > _MAX_CHECKPOINT_ENTRIES or not inside(Path(top) / name):
+                return False
+    return True
+
+
+def _raise(error: OSError) -> None:
+    raise error
 
 
 def _describe(outcomes: list[_Outcome], verb: str) -> str:
