@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from .answers import Completion, TokenizeAnswer, normalize_response_format, parse_completion, structured_output
 from .errors import (
     CONTEXT_OVERFLOW,
+    AddressNotAllowed,
     BadInferenceResponse,
     ContextOverflow,
     InferenceAnswerTooLarge,
@@ -25,7 +26,15 @@ from .errors import (
     InferenceUnreachable,
     error_text,
 )
-from .transport import AnswerTooLarge, EncodedAnswer, HttpAnswer, HttpTransport, TransportError, TransportTimeout
+from .transport import (
+    AddressRefused,
+    AnswerTooLarge,
+    EncodedAnswer,
+    HttpAnswer,
+    HttpTransport,
+    TransportError,
+    TransportTimeout,
+)
 
 
 class Engine(Protocol):
@@ -174,4 +183,6 @@ def _transport_failure(exc: TransportError, url: str, path: str) -> InferenceErr
         return InferenceAnswerTooLarge(f"{url}{path}: {exc}")
     if isinstance(exc, EncodedAnswer):
         return BadInferenceResponse(f"{url}{path}: {exc}")
+    if isinstance(exc, AddressRefused):
+        return AddressNotAllowed(f"{url}: {exc}")
     return InferenceUnreachable(f"{url}: {exc}")

@@ -36,6 +36,11 @@ class InferenceUnreachable(InferenceError):
     replica_down = True
 
 
+class AddressNotAllowed(InferenceUnreachable):
+    """The server's name resolves now to an address the service may not reach (--allow-backends):
+    not connected to."""
+
+
 class InferenceServerError(InferenceError):
     """The server answered 5xx."""
 

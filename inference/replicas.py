@@ -16,7 +16,7 @@ import httpx
 from .answers import Completion, TokenizeAnswer
 from .engine import Engine, VllmServer
 from .errors import BadInferenceResponse, InferenceError, InferenceServerError, InferenceTimeout, InferenceUnreachable
-from .transport import DEFAULT_MAX_ANSWER_BYTES, HttpTransport, make_transport
+from .transport import DEFAULT_MAX_ANSWER_BYTES, AddressPolicy, HttpTransport, make_transport
 
 T = TypeVar("T")
 
@@ -61,14 +61,18 @@ class ReplicaPool:
         max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
         transport: httpx.AsyncBaseTransport | None = None,
         engine: Callable[[str], Engine] | None = None,
+        address_policy: AddressPolicy | None = None,
     ) -> None:
         """`transport`: an httpx transport standing in for the servers (tests); otherwise the service's
-        own stack. `engine`: what speaks to the replica at a URL; vLLM's server (VllmServer) unless given."""
+        own stack, connecting where `address_policy` allows. `engine`: what speaks to the replica at a
+        URL; vLLM's server (VllmServer) unless given."""
         if not urls:
             raise ValueError("at least one model server URL is needed")
         self.api_key = api_key
         self.token_ids = token_ids
-        self._http: HttpTransport = make_transport(timeout_s, transport, max_answer_bytes=max_answer_bytes)
+        self._http: HttpTransport = make_transport(
+            timeout_s, transport, max_answer_bytes=max_answer_bytes, address_policy=address_policy
+        )
         self._make_engine = engine or (
             lambda url: VllmServer(url, self._http, api_key=self.api_key, token_ids=self.token_ids)
         )

@@ -23,12 +23,14 @@ import logging
 import socket
 import urllib.parse
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import httpx
 import orjson
+from aiohttp.abc import AbstractResolver, ResolveResult
 
 from .json_body import dumps
 from .text import clean_text
@@ -55,6 +57,58 @@ class EncodedAnswer(TransportError):
     def __init__(self, encoding: str) -> None:
         self.encoding = encoding[:40]
         super().__init__(f"the answer is encoded ({self.encoding!r}) though identity was asked for")
+
+
+class AddressRefused(TransportError):
+    """The backend's name resolved to an address the service may not reach (its address policy,
+    --allow-backends): no connection was made, nothing was sent."""
+
+
+class RefusedAddress(OSError):
+    """What an address policy raises from inside the resolver: aiohttp reports it as a failed
+    connection, whose cause `_send` reads back as AddressRefused."""
+
+
+Lookup = Callable[[str, int, int], Awaitable[list[ResolveResult]]]  # (host, port, family) -> its addresses
+
+
+class AddressPolicy(Protocol):
+    """Which addresses the service may connect to. `lookup` resolves a name (the system's resolver,
+    or a stand-in); `refusal` says why the addresses a name resolved to may not be reached, or None."""
+
+    lookup: Lookup
+
+    async def refusal(self, host: str, addresses: list[str]) -> str | None: ...
+
+
+async def system_lookup(host: str, port: int = 0, family: int = socket.AF_UNSPEC) -> list[ResolveResult]:
+    """`host`'s addresses from the system's resolver, as aiohttp's own resolver reads them."""
+    return await aiohttp.ThreadedResolver().resolve(host, port, socket.AddressFamily(family))
+
+
+class CheckedResolver(AbstractResolver):
+    """Resolves each name once per connection, checks every address it got against the policy and
+    hands aiohttp only checked addresses to connect to: a name that resolved to an allowed address
+    when its backend was added and resolves elsewhere later (DNS rebinding) is refused at that
+    connection. aiohttp resolves no IP address (one cannot change); `trusted` names (the proxies the
+    environment configures) are the operator's and resolved unchecked."""
+
+    def __init__(self, policy: AddressPolicy, trusted: frozenset[str] = frozenset()) -> None:
+        self._policy = policy
+        self._trusted = trusted
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = await self._policy.lookup(host, port, family)
+        if host.lower().rstrip(".") not in self._trusted:
+            why = await self._policy.refusal(host, [str(r["host"]) for r in found])
+            if why is not None:
+                raise RefusedAddress(why)
+        return found
+
+    async def close(self) -> None:
+        pass
 
 
 class AnswerTooLarge(TransportError):
@@ -122,6 +176,10 @@ class EnvProxies:
                 headers["Proxy-Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
             self._proxies[scheme] = (proxy._replace(netloc=proxy.netloc.rpartition("@")[2]).geturl(), headers)
         self._decided: dict[tuple[str, str], tuple[str, dict[str, str]] | None] = {}
+        # The proxies' own hosts: the operator's, connected to whatever they resolve to.
+        self.hosts = frozenset(
+            (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".") for url, _ in self._proxies.values()
+        )
 
     def __call__(self, url: str) -> tuple[str, dict[str, str]] | None:
         """The proxy's URL and the headers it is sent (its credentials), or None: go direct."""
@@ -179,9 +237,14 @@ class AiohttpTransport(HttpTransport):
     """aiohttp's client; its session is made on first use, inside the loop that will use it."""
 
     def __init__(
-        self, timeout_s: float, connect_timeout_s: float = 10.0, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+        self,
+        timeout_s: float,
+        connect_timeout_s: float = 10.0,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+        address_policy: AddressPolicy | None = None,
     ) -> None:
         self.max_answer_bytes = max_answer_bytes
+        self.address_policy = address_policy  # None: any address the system resolves a name to
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
@@ -197,7 +260,14 @@ class AiohttpTransport(HttpTransport):
             # address (a pod, a container) must be found at once, as httpx found it.
             # A connection idle past MAX_IDLE_S is closed, not reused: servers close idle ones (uvicorn
             # after 5 s), and a POST written as the server closes would fail its turn.
-            connector = aiohttp.TCPConnector(limit=0, use_dns_cache=False, keepalive_timeout=MAX_IDLE_S)
+            # With an address policy, every name is resolved and checked at each connection (see
+            # CheckedResolver).
+            resolver = None
+            if self.address_policy is not None:
+                resolver = CheckedResolver(self.address_policy, self.proxy_for.hosts)
+            connector = aiohttp.TCPConnector(
+                limit=0, use_dns_cache=False, keepalive_timeout=MAX_IDLE_S, resolver=resolver
+            )
             # Answers are read as sent, never unpacked: the cap counts the bytes that would be held.
             # (aiohttp would otherwise ask for gzip and unpack past the cap checked on Content-Length.)
             self._session = aiohttp.ClientSession(
@@ -248,7 +318,11 @@ class AiohttpTransport(HttpTransport):
             if canonical is None:
                 raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
             return await self._send(method, canonical, body, headers, deadline_s)
-        except (aiohttp.ClientConnectorError, ValueError) as exc:  # ValueError: a host name that cannot be one
+        except aiohttp.ClientConnectorError as exc:
+            if isinstance(exc.os_error, RefusedAddress):
+                raise AddressRefused(str(exc.os_error)) from None
+            raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
+        except ValueError as exc:  # a host name that cannot be one
             raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
         except aiohttp.ClientError as exc:
             raise TransportError(f"{type(exc).__name__}: {exc}") from None
@@ -301,12 +375,14 @@ def make_transport(
     stand_in: httpx.AsyncBaseTransport | None = None,
     *,
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+    address_policy: AddressPolicy | None = None,
 ) -> HttpTransport:
-    """The service's client (aiohttp), or (tests) `stand_in`, an httpx transport answering for the
-    servers; either reads at most `max_answer_bytes` of an answer."""
+    """The service's client (aiohttp), connecting only where `address_policy` allows, or (tests)
+    `stand_in`, an httpx transport answering for the servers; either reads at most
+    `max_answer_bytes` of an answer."""
     if stand_in is not None:
         return HttpxTransport(httpx.AsyncClient(transport=stand_in, timeout=timeout_s), max_answer_bytes)
-    return AiohttpTransport(timeout_s, max_answer_bytes=max_answer_bytes)
+    return AiohttpTransport(timeout_s, max_answer_bytes=max_answer_bytes, address_policy=address_policy)
 
 
 class HttpxTransport(HttpTransport):

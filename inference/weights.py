@@ -20,6 +20,8 @@ import httpx
 from .errors import MAX_DETAIL_CHARS, error_text
 from .transport import (
     DEFAULT_MAX_ANSWER_BYTES,
+    AddressPolicy,
+    AddressRefused,
     AnswerTooLarge,
     EncodedAnswer,
     HttpAnswer,
@@ -55,10 +57,14 @@ class WeightsClient:
         *,
         max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
         transport: httpx.AsyncBaseTransport | None = None,
+        address_policy: AddressPolicy | None = None,
     ) -> None:
         """`transport`: an httpx transport standing in for the servers (tests). Reloading a large
-        checkpoint can take minutes: `timeout_s` is long, the connect timeout stays short."""
-        self._http: HttpTransport = make_transport(timeout_s, transport, max_answer_bytes=max_answer_bytes)
+        checkpoint can take minutes: `timeout_s` is long, the connect timeout stays short.
+        `address_policy`: where it may connect (see CheckedResolver)."""
+        self._http: HttpTransport = make_transport(
+            timeout_s, transport, max_answer_bytes=max_answer_bytes, address_policy=address_policy
+        )
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def aclose(self) -> None:
@@ -81,6 +87,8 @@ class WeightsClient:
         except (AnswerTooLarge, EncodedAnswer) as exc:
             # It answered: what it sent was refused unread, which says nothing of whether it is up.
             raise WeightUpdateError(url, action, f"its answer was refused: {exc}") from None
+        except AddressRefused as exc:
+            raise WeightUpdateError(url, action, f"not connected to: {exc}") from None
         except TransportError as exc:
             raise WeightUpdateError(url, action, f"unreachable: {exc}") from None
         if response.status == 404 and "Not Found" in response.text[:100]:

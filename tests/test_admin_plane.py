@@ -8,8 +8,10 @@ was fetched".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +22,9 @@ import httpx
 import pytest
 import scripted_model
 from helpers import cli, wait_until
+from starlette.testclient import TestClient
 
+from inference.transport import system_lookup
 from rollout_service.tools.stack import free_port, refenv_command
 from rollout_service.trainer.client import RequestRejected, RolloutClient
 
@@ -358,3 +362,99 @@ def test_by_default_only_loopback_and_the_backends_given_at_start_may_be_added(s
     for url in ("http://10.255.255.1:8090", "http://169.254.169.254", "http://0.0.0.0:1"):
         refused = httpx.post(f"{service.url}/envs", json={"url": url, "timeout_s": 30}, timeout=30)
         assert refused.status_code == 422 and refused.json()["error"] == "backend_not_allowed", (url, refused.text)
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Stands for what sits inside the network on a forbidden address: records every path asked."""
+
+    asked: list[str]
+
+    def do_GET(self) -> None:
+        self.asked.append(self.path)
+        self.send_response(404)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    do_POST = do_DELETE = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _recording(host: str, port: int) -> Iterator[list[str]]:
+    asked: list[str] = []
+    server = ThreadingHTTPServer((host, port), type("Recorder", (_Recorder,), {"asked": asked}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _RebindingNames:
+    """A resolver stand-in (DNS answers cannot be made to change on purpose here): each name listed
+    answers its addresses in turn, the last one from then on; any other name, the system's answer."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[str]] = {}
+
+    async def __call__(self, host: str, port: int, family: int) -> list:
+        queue = self.answers.get(host)
+        if queue is None:
+            return await system_lookup(host, port, family)
+        address = queue.pop(0) if len(queue) > 1 else queue[0]
+        flags = socket.AI_NUMERICHOST | socket.AI_NUMERICSERV
+        return [{"hostname": host, "host": address, "port": port, "family": socket.AF_INET, "proto": 0, "flags": flags}]
+
+
+def test_a_name_that_resolves_elsewhere_later_is_not_connected_to(start_refenv, start_scripted_model):
+    """DNS rebinding: a name that resolved to an allowed address when its env or replica was added
+    and resolves later to a forbidden one. The policy holds at each connection: the name is resolved,
+    its address checked, and the checked address is the one connected to. Real refenvs and scripted
+    model servers on 127.0.0.1 (allowed); on 127.0.0.2, the same ports, a recorder (forbidden: the
+    list is 127.0.0.1 alone). The recorder's log is the oracle for "nothing was sent there".
+    Break tried: the old transport (no resolver of its own; the check at POST only) -> the probes of
+    POST /envs and /replicas went to the recorder, fails."""
+    from rollout_service.server.app import create_app
+    from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.service import RolloutService
+
+    first, second = start_refenv("--pool", "2"), start_refenv("--pool", "2")
+    model, other_model = start_scripted_model("answer"), start_scripted_model("answer")
+    env_port, model_port = int(second.url.rsplit(":", 1)[1]), int(other_model.url.rsplit(":", 1)[1])
+    config = ServiceConfig(env=[first.url], vllm=[model.url], model="scripted", allow_backends=["127.0.0.1"])
+    service = RolloutService(config)
+    names = _RebindingNames()
+    service.allowed.lookup = names
+    with (
+        _recording("127.0.0.2", env_port) as env_side,
+        _recording("127.0.0.2", model_port) as model_side,
+        TestClient(create_app(config, service)) as client,
+    ):
+        assert wait_until(lambda: client.get("/health").json()["status"] == "ok", timeout_s=60)
+        # Allowed when checked, elsewhere when connected to: refused at once, with the reason.
+        names.answers["early-env.test"] = ["127.0.0.1", "127.0.0.2"]
+        refused = client.post("/envs", json={"url": f"http://early-env.test:{env_port}", "timeout_s": 30})
+        assert refused.status_code == 422 and refused.json()["error"] == "env_refused", refused.text
+        assert "127.0.0.2" in refused.json()["message"] and "--allow-backends" in refused.json()["message"]
+        names.answers["early-model.test"] = ["127.0.0.1", "127.0.0.2"]
+        body = {"url": f"http://early-model.test:{model_port}", "timeout_s": 30}
+        refused = client.post("/replicas", json=body)
+        assert refused.status_code == 422 and refused.json()["error"] == "replica_refused", refused.text
+        assert "127.0.0.2" in refused.json()["message"], refused.text
+        # Allowed while it is added and runs episodes; elsewhere later.
+        names.answers["late-env.test"] = ["127.0.0.1"]
+        added = client.post("/envs", json={"url": f"http://late-env.test:{env_port}", "timeout_s": 60})
+        assert added.status_code == 201, added.text
+        assert client.post("/envs/drain", json={"url": first.url}).status_code == 200
+        group = client.post("/groups", json={"task_id": "t001", "n": 2, "sampling": SAMPLING, "timeout_s": 120})
+        assert group.status_code == 200 and group.json()["counts"]["scored"] == 2, group.text
+        assert second.health()["episodes"]["finished"] == 2  # the env's own count: they ran behind the name
+        names.answers["late-env.test"] = ["127.0.0.2"]
+        # The monitor asks its /health every few seconds, on a new connection once the last one idled
+        # out: it is refused there, and says why.
+        assert wait_until(lambda: "127.0.0.2" in json.dumps(client.get("/health/detail").json()), timeout_s=60)
+        assert second.health()["live_episodes"] == 0
+    assert env_side == [] and model_side == [], (env_side, model_side)

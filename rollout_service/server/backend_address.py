@@ -5,6 +5,10 @@ backends given at start are always allowed (the operator named them). A URL's ho
 every address it resolves to must be allowed, so no spelling gets around the list: a decimal or hex
 IP (`2130706433`, `0x7f.1`), an IPv6 form, or a DNS name that points inside the network. A host
 named in the list is allowed by its name whatever it resolves to (a compose service, a node name).
+
+The rule holds at every connection, not only when a backend is added: the service's transports
+resolve each name through `lookup` and ask `refusal` before connecting (inference/transport.py,
+CheckedResolver), so a name that resolves elsewhere later (DNS rebinding) is not connected to.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import socket
 from collections.abc import Iterable
 
 import httpx
+
+from inference.transport import Lookup, system_lookup
 
 from .errors import Invalid
 
@@ -41,7 +47,10 @@ def parse_allowed(entry: str) -> Network | str:
 
 
 def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    address = ipaddress.ip_address(text.split("%", 1)[0])
+    return _canonical(ipaddress.ip_address(text.split("%", 1)[0]))
+
+
+def _canonical(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped  # ::ffff:10.0.0.1 is 10.0.0.1
     return address
@@ -50,7 +59,8 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 class AllowedBackends:
     """The networks and names a runtime-added backend may be at."""
 
-    def __init__(self, entries: Iterable[str], start_urls: Iterable[str]) -> None:
+    def __init__(self, entries: Iterable[str], start_urls: Iterable[str], lookup: Lookup = system_lookup) -> None:
+        self.lookup = lookup  # the resolver, both here and at each connection (a stand-in in tests)
         parsed = [parse_allowed(e) for e in entries] or ["loopback"]
         self.networks: list[Network] = [p for p in parsed if not isinstance(p, str)]
         if "loopback" in parsed:
@@ -67,36 +77,47 @@ class AllowedBackends:
         """Invalid (422 backend_not_allowed) unless `url`'s host is allowed, by name or by
         every address it resolves to. Nothing is sent to it here."""
         host = _host(url)
+        why = await self.refusal(host, None if host in self.names else await self._resolve(host))
+        if why is not None:
+            raise Invalid(
+                "backend_not_allowed",
+                f"{what} {url}: {why}"
+                + ("" if "does not resolve" in why else ": start the service with --allow-backends naming it"),
+            )
+
+    async def refusal(self, host: str, addresses: list[str] | None) -> str | None:
+        """Why a backend at `host`, which resolved to `addresses`, may not be reached; None if it may."""
+        host = host.lower().rstrip(".")
         if host in self.names:
-            return
-        addresses = await _resolve(host)
-        if not addresses:
-            raise Invalid(
-                "backend_not_allowed",
-                f"{what} {url}: its host does not resolve here; it is not an allowed backend",
-            )
+            return None
+        found = {_address(a) for a in addresses or ()}
+        if not found:
+            return "its host does not resolve here; it is not an allowed backend"
         networks = list(self.networks)
-        for name in self.names:  # a name allowed, or given at start, allows the addresses it has now
-            networks += [ipaddress.ip_network(a) for a in await _resolve(name)]
-        refused = sorted({str(a) for a in addresses if not any(a in n for n in networks)})
+        if any(not any(a in n for n in networks) for a in found):
+            for name in self.names:  # a name allowed, or given at start, allows the addresses it has now
+                networks += [ipaddress.ip_network(_address(a)) for a in await self._resolve(name)]
+        refused = sorted({str(a) for a in found if not any(a in n for n in networks)})
         if refused:
-            raise Invalid(
-                "backend_not_allowed",
-                f"{what} {url} resolves to {', '.join(refused)}, outside what this service may reach "
-                f"(--allow-backends: {self.describe()}): start the service with --allow-backends naming it",
+            return (
+                f"{host} resolves to {', '.join(refused)}, outside what this service may reach "
+                f"(--allow-backends: {self.describe()})"
             )
+        return None
+
+    async def _resolve(self, host: str) -> list[str]:
+        """Every address `host` resolves to, as the transport would connect (the resolver takes an IP
+        in any spelling); empty if it does not resolve in time."""
+        try:
+            return [str(_canonical(ipaddress.ip_address(host.strip("[]"))))]
+        except ValueError:
+            pass
+        try:
+            found = await asyncio.wait_for(self.lookup(host, 0, socket.AF_UNSPEC), _RESOLVE_TIMEOUT_S)
+        except (OSError, UnicodeError, TimeoutError):
+            return []
+        return [str(r["host"]) for r in found]
 
 
 def _host(url: str) -> str:
     return httpx.URL(url).host.lower().rstrip(".")
-
-
-async def _resolve(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """Every address `host` resolves to, as the transport would connect (the resolver takes an IP in
-    any spelling); empty if it does not resolve in time."""
-    loop = asyncio.get_running_loop()
-    try:
-        found = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), _RESOLVE_TIMEOUT_S)
-    except (OSError, UnicodeError, TimeoutError):
-        return set()
-    return {_address(str(info[4][0])) for info in found}

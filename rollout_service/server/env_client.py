@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from inference.transport import (
     DEFAULT_MAX_ANSWER_BYTES,
+    AddressPolicy,
+    AddressRefused,
     AnswerTooLarge,
     ConnectRefused,
     EncodedAnswer,
@@ -51,6 +53,11 @@ class EnvDown(EnvUnreachable):
     starts with every world free), so there is nothing to abandon."""
 
     episode_over = True
+
+
+class EnvAddressRefused(EnvUnreachable):
+    """The env's name resolves now to an address the service may not reach (--allow-backends): not
+    connected to, nothing sent."""
 
 
 class EnvAnswerTooLarge(EnvError):
@@ -201,6 +208,7 @@ class EnvClient:
         max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
         transport: httpx.AsyncBaseTransport | None = None,
         token: str | None = None,
+        address_policy: AddressPolicy | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         # The env's own token (refenv --token): held back until `accept`, so that a URL that has not
@@ -209,7 +217,10 @@ class EnvClient:
         self._token_headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._headers: dict[str, str] = {}
         # `transport`: an httpx transport standing in for the env (tests); otherwise the service's own stack.
-        self._http: HttpTransport = make_transport(timeout_s, transport, max_answer_bytes=max_answer_bytes)
+        # `address_policy`: where it may connect (see CheckedResolver).
+        self._http: HttpTransport = make_transport(
+            timeout_s, transport, max_answer_bytes=max_answer_bytes, address_policy=address_policy
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -280,6 +291,8 @@ class EnvClient:
             )
         except TransportTimeout as exc:
             raise EnvUnreachable(None, "transport_timeout", f"{method} {path}: {exc}") from None
+        except AddressRefused as exc:
+            raise EnvAddressRefused(None, "backend_not_allowed", f"{method} {path}: {exc}") from None
         except ConnectRefused as exc:
             raise EnvDown(None, "transport_error", f"{method} {path}: {exc}") from None
         except AnswerTooLarge as exc:

@@ -18,7 +18,7 @@ import httpx
 
 from ..protocol import EnvAdd, EnvContract, EnvRef, EnvRemove, EnvRemoved, EnvState
 from .backend_address import AllowedBackends
-from .env_client import BadEnvAnswer, EnvClient, EnvError, EnvHealth, EnvTask, EnvUnreachable
+from .env_client import BadEnvAnswer, EnvAddressRefused, EnvClient, EnvError, EnvHealth, EnvTask, EnvUnreachable
 from .errors import BackendTimedOut, Conflict, IncomparableEnv, Invalid, NotFound, StartupError, shutting_down
 from .metrics import Metrics
 from .scheduler import EnvSlots
@@ -141,7 +141,9 @@ class EnvRegistry:
             state = "is draining: remove it first" if draining else "is scheduled already (or being added)"
             raise Conflict("env_present", f"env {url} {state}")
         self.adding.add(url)
-        client = EnvClient(url, max_answer_bytes=self.max_answer_bytes, token=self.env_token)
+        client = EnvClient(
+            url, max_answer_bytes=self.max_answer_bytes, token=self.env_token, address_policy=self.allowed
+        )
         try:
             try:
                 found = await asyncio.wait_for(ask_until_ready(functools.partial(ask_env, url, client)), body.timeout_s)
@@ -293,6 +295,8 @@ async def ask_env(url: str, client: EnvClient) -> Discovered:
         client.accept()  # an env by its /health: the rest is asked with the env's token
         tasks = await client.tasks()
     except EnvError as exc:
+        if isinstance(exc, EnvAddressRefused):  # waiting would not change where its name points now
+            raise StartupError(f"env {url}: {exc.message}") from None
         if isinstance(exc, EnvUnreachable):
             raise NotYet(f"unreachable ({exc.message or exc})") from None
         if (exc.status or 0) >= 500:

@@ -25,12 +25,13 @@ from .tasks import all_or_none
 log = logging.getLogger("rollout_service.replicas")
 
 
-def _replica_pool(urls: list[str], config: ServiceConfig, **kwargs: Any) -> ReplicaPool:
+def _replica_pool(urls: list[str], config: ServiceConfig, allowed: AllowedBackends, **kwargs: Any) -> ReplicaPool:
     return ReplicaPool(
         urls,
         timeout_s=config.inference_timeout,
         max_requests_per_second=config.max_requests_per_second,
         max_answer_bytes=config.max_answer_bytes,
+        address_policy=allowed,
         **kwargs,
     )
 
@@ -39,21 +40,25 @@ class ReplicaRegistry:
     def __init__(self, config: ServiceConfig, lifecycle: Lifecycle, metrics: Metrics, allowed: AllowedBackends) -> None:
         self.lifecycle = lifecycle
         self.allowed = allowed  # what POST /replicas may reach
-        self.policy = ModelRoute(config.model, _replica_pool(config.vllm, config))
+        self.policy = ModelRoute(config.model, _replica_pool(config.vllm, config, allowed))
         self.versions = PolicyManager(
             self.policy.client,
             self.policy.request_model,
-            WeightsClient(timeout_s=config.update_timeout, max_answer_bytes=config.max_answer_bytes),
+            WeightsClient(
+                timeout_s=config.update_timeout, max_answer_bytes=config.max_answer_bytes, address_policy=allowed
+            ),
             metrics,
             config.checkpoint_root,
         )
         self.support: ModelRoute | None = None
         if config.support_model:
-            self.support = ModelRoute(config.support_model, _replica_pool(config.support_vllm or config.vllm, config))
+            self.support = ModelRoute(
+                config.support_model, _replica_pool(config.support_vllm or config.vllm, config, allowed)
+            )
         self.named: dict[str, ModelRoute] = {
             spec.name: ModelRoute(
                 spec.name,
-                _replica_pool([spec.url], config, api_key=spec.api_key(), token_ids=spec.token_ids),
+                _replica_pool([spec.url], config, allowed, api_key=spec.api_key(), token_ids=spec.token_ids),
                 served_model=spec.model,
             )
             for spec in config.model_endpoint

@@ -43,7 +43,8 @@ class RolloutService:
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.lifecycle = Lifecycle(config.startup_timeout)
         # What membership may add: --allow-backends, and the hosts of the backends given at start.
-        allowed = AllowedBackends(
+        # Held at every connection to any backend, not only when one is added (see backend_address.py).
+        self.allowed = allowed = AllowedBackends(
             config.allow_backends,
             [*config.env, *config.vllm, *config.support_vllm, *(spec.url for spec in config.model_endpoint)],
         )
@@ -75,7 +76,12 @@ class RolloutService:
         contract, datasets that disagree) is refused at once."""
         lifecycle = self.lifecycle
         clients = {
-            url: EnvClient(url, max_answer_bytes=self.config.max_answer_bytes, token=self.config.env_token())
+            url: EnvClient(
+                url,
+                max_answer_bytes=self.config.max_answer_bytes,
+                token=self.config.env_token(),
+                address_policy=self.allowed,
+            )
             for url in self.config.env
         }
         lifecycle.waiting_for = {f"env {url}": "not asked yet" for url in clients}

@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from inference.errors import InferenceAnswerTooLarge, InferenceError, InferenceUnreachable
+from inference.errors import AddressNotAllowed, InferenceAnswerTooLarge, InferenceError, InferenceUnreachable
 from inference.replicas import Endpoint
 
 from ..retry import Backoff
@@ -124,6 +124,8 @@ async def ask_model(route: ModelRoute, endpoint: Endpoint) -> list[str]:
             f"model server {endpoint.url}: its answer to GET /v1/models is longer than --max-answer-bytes: "
             "is it an OpenAI-compatible server?"
         ) from None
+    except AddressNotAllowed as exc:  # waiting would not change where its name points now
+        raise StartupError(f"model server {endpoint.url}: {exc.detail}") from None
     except InferenceUnreachable as exc:
         raise NotYet(f"unreachable ({exc.detail})") from None
     except InferenceError as exc:
