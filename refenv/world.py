@@ -232,10 +232,19 @@ _DENIED_ACTIONS = {
     sqlite3.SQLITE_DROP_VTABLE,
 }
 # What one statement from the model may cost. Steps bound a runaway cross join; the clock bounds
-# steps that are each slow; the value cap bounds memory. SQLite checks the clock only between
-# steps, so no single step may be slow either: see BoundedPrintf and LinearTextSearch.
-# Honest values here are under 100 bytes.
+# steps that are each slow; the value cap bounds memory. SQLite checks the clock (the progress
+# handler) only where the program jumps: constant expressions, computed once before the first row,
+# and the expressions of one row run straight through (thousands of constant hex() calls in one
+# SELECT ran seconds past the deadline). So the program's length is capped: SQLite refuses to compile
+# past _MAX_PROGRAM_OPS instructions (it grows the program by doubling: ~1,400 fit), which holds ~220
+# upper() calls of a value at the cap, 0.14 s of CPU on a loaded 2-core host. And no instruction may
+# be slow either: printf(), instr() and replace() are linear and check the clock on each call
+# (BoundedPrintf, LinearTextSearch), and so do trim(), like() and glob(), whose one call costs the
+# value times the pattern (ClockedPatterns).
+# Honest values here are under 100 bytes; an honest statement compiles to tens of instructions (a
+# five-table join with a CTE, a window, subqueries and CASE: ~400).
 _MAX_VM_STEPS = 2_000_000
+_MAX_PROGRAM_OPS = 2_000
 _STATEMENT_DEADLINE_S = 2.0
 _PROGRESS_EVERY = 100  # VM steps between checks: no cost measured on a scale-300 join (every 10: +40%)
 _MAX_VALUE_BYTES = 256 << 10
@@ -419,6 +428,48 @@ class LinearTextSearch:
             raise ValueError(self.refused) from None
 
 
+class ClockedPatterns:
+    """SQLite's trim(), ltrim(), rtrim(), like() and glob(), each call checking the statement's clock
+    first: one call costs the value's length times the pattern's (a glob() character class, a trim()
+    character set), ~10 ms for a pattern at the cap over a value at the cap, and a statement may
+    hold hundreds. trim()'s set is capped as LIKE's pattern is (one trim() of 200,000 characters
+    by a set of 20,000 ran 10 s). The work itself is SQLite's, on a connection of its own with the
+    same limits."""
+
+    _CALLS: tuple[tuple[str, int], ...] = (
+        *((name, arity) for name in ("trim", "ltrim", "rtrim") for arity in (1, 2)),
+        ("like", 2),
+        ("like", 3),
+        ("glob", 2),
+    )
+
+    def __init__(self) -> None:
+        self._builtin = sqlite3.connect(":memory:", check_same_thread=False)
+        self._builtin.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
+        self._builtin.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_LIKE_PATTERN_BYTES)
+        self.refused = ""  # why the last call failed: the error the model is shown
+        self.budget: _StatementBudget | None = None  # the running statement's: see LinearTextSearch
+
+    def install(self, conn: sqlite3.Connection) -> None:
+        for name, arity in self._CALLS:
+            conn.create_function(name, arity, functools.partial(self._call, name), deterministic=True)
+
+    def _call(self, name: str, *args: SqlValue) -> SqlValue:
+        self.refused = ""
+        if self.budget is not None and self.budget.past_deadline():
+            raise ValueError(self.budget.reason)
+        if name.endswith("trim") and len(args) == 2 and isinstance(args[1], (str, bytes)):
+            if len(args[1]) > _MAX_LIKE_PATTERN_BYTES:
+                self.refused = f"{name}(): a set of more than {_MAX_LIKE_PATTERN_BYTES} characters to trim"
+                raise ValueError(self.refused)
+        marks = ", ".join("?" * len(args))
+        try:
+            return self._builtin.execute(f"SELECT {name}({marks})", args).fetchone()[0]
+        except sqlite3.Error as exc:  # SQLite's own refusal (a pattern too complex, a value too big)
+            self.refused = str(exc)
+            raise ValueError(self.refused) from None
+
+
 @dataclass
 class World:
     """One isolated copy of the database; `dirty` once a statement changed a row."""
@@ -427,6 +478,7 @@ class World:
     conn: sqlite3.Connection
     printf: BoundedPrintf
     search: LinearTextSearch
+    patterns: ClockedPatterns
     dirty: bool = False
 
     def execute(self, sql: str, max_rows: int, max_chars: int) -> QueryResult:
@@ -439,10 +491,16 @@ class World:
         )
         self.conn.set_progress_handler(stopped.check, _PROGRESS_EVERY)
         before = self.conn.total_changes
-        self.printf.refused = self.search.refused = ""
-        self.printf.budget = self.search.budget = stopped
+        guards = (self.printf, self.search, self.patterns)
+        for guard in guards:
+            guard.refused, guard.budget = "", stopped
         try:
-            cursor = self.conn.execute(sql)
+            try:
+                cursor = self.conn.execute(sql)
+            except MemoryError:  # SQLite's answer to a program over SQLITE_LIMIT_VDBE_OP
+                raise QueryError(
+                    f"statement too complex: it compiles to more than {_MAX_PROGRAM_OPS:,} instructions"
+                ) from None
             columns = [d[0] for d in cursor.description or ()]
             rows = _fetch_cut(cursor, max_rows + 1, max_chars)
         except sqlite3.Warning as exc:  # e.g. "You can only execute one statement at a time."
@@ -450,11 +508,13 @@ class World:
         except sqlite3.Error as exc:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
-            raise QueryError(stopped.reason or self.printf.refused or self.search.refused or str(exc)) from None
+            refused = next((g.refused for g in guards if g.refused), "")
+            raise QueryError(stopped.reason or refused or str(exc)) from None
         finally:
             self.conn.set_authorizer(None)
             self.conn.set_progress_handler(None, 0)
-            self.printf.budget = self.search.budget = None
+            for guard in guards:
+                guard.budget = None
             if self.conn.total_changes != before:
                 self.dirty = True
         return QueryResult(columns, rows[:max_rows], len(rows) > max_rows, self.conn.total_changes - before)
@@ -523,16 +583,21 @@ class WorldPool:
         self._busy_closed = 0.0  # world-seconds of leases that ended
         self._lease_started: dict[int, float] = {}  # world index -> when its open lease began
         for index in range(size):
-            printf, search = BoundedPrintf(), LinearTextSearch()
-            self._free.put_nowait(World(index, self._fresh_connection(printf, search), printf, search))
+            printf, search, patterns = BoundedPrintf(), LinearTextSearch(), ClockedPatterns()
+            conn = self._fresh_connection(printf, search, patterns)
+            self._free.put_nowait(World(index, conn, printf, search, patterns))
 
-    def _fresh_connection(self, printf: BoundedPrintf, search: LinearTextSearch) -> sqlite3.Connection:
+    def _fresh_connection(
+        self, printf: BoundedPrintf, search: LinearTextSearch, patterns: ClockedPatterns
+    ) -> sqlite3.Connection:
         conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, _MAX_VALUE_BYTES)
         conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, _MAX_COLUMNS)
         conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, _MAX_LIKE_PATTERN_BYTES)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_VDBE_OP, _MAX_PROGRAM_OPS)
         printf.install(conn)
         search.install(conn)
+        patterns.install(conn)
         self._load_image(conn)
         return conn
 

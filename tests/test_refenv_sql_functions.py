@@ -163,26 +163,142 @@ def test_a_replace_past_the_value_cap_is_refused_before_it_is_built(pair):
     assert peak < 10 << 20, peak
 
 
-def test_constant_calls_stop_at_the_statement_deadline():
-    """SQLite computes constant expressions once, before the statement's first row, where its
-    progress handler (the statement deadline) never runs: 3,600 constant instr() calls of 256 KiB
-    values spent 11 s of CPU. Each call checks the clock, so the statement stops at its deadline
-    plus at most one call (~5 ms; the margin is for the thread and the error path). On a real world."""
+def _stopped(sql: str) -> tuple[str, float, float]:
+    """(why the statement was refused or stopped, CPU seconds and wall seconds this process spent
+    on it), on a real world."""
     image = sqlite3.connect(":memory:")
     image.execute("CREATE TABLE t (a)")
     image.commit()
 
-    async def run(sql: str) -> str:
-        pool = WorldPool(image, 1)
-        world = await pool.acquire()
+    async def run() -> str:
+        world = await WorldPool(image, 1).acquire()
         with pytest.raises(QueryError) as stopped:
             world.execute(sql, 10, 100)
         return str(stopped.value)
 
-    term = "instr(printf('%.250000c', 'a'), printf('%.125000c', 'a') || 'b')"
-    sql = "SELECT " + ", ".join("+".join([term] * 900) + f" AS c{i}" for i in range(4))
-    before = time.process_time()
-    reason = asyncio.run(run(sql))
-    spent = time.process_time() - before
-    assert reason == f"statement stopped after {_STATEMENT_DEADLINE_S:g} s"
-    assert spent < _STATEMENT_DEADLINE_S + 0.5, spent
+    cpu, wall = time.process_time(), time.monotonic()
+    reason = asyncio.run(run())
+    return reason, time.process_time() - cpu, time.monotonic() - wall
+
+
+# One value at the cap, for the statements below: 'aaa...' of 262,000 characters.
+BIG = "SELECT printf('%.262000c', 'a')"
+
+
+@pytest.mark.parametrize(
+    ("name", "sql", "reason"),
+    [
+        # 60 columns of 300 constant hex() calls each: ran 9 s before the program was capped.
+        (
+            "constant calls",
+            "SELECT "
+            + ", ".join(
+                "+".join(f"length(hex(zeroblob({131000 - j * 300 - i})))" for i in range(300)) for j in range(60)
+            ),
+            "statement too complex",
+        ),
+        # 3,600 constant instr() calls of values at the cap: 11 s before instr() checked the clock.
+        (
+            "constant instr() calls",
+            "SELECT "
+            + ", ".join(
+                "+".join(["instr(printf('%.250000c', 'a'), printf('%.125000c', 'a') || 'b')"] * 900) + f" AS c{i}"
+                for i in range(4)
+            ),
+            "statement too complex",
+        ),
+        # One row's expressions run straight through too: 4 columns of 400 upper() of a value at the cap.
+        (
+            "one row's calls",
+            f"WITH v(b) AS ({BIG}) SELECT "
+            + ", ".join("+".join(f"length(upper(b || {i}))" for i in range(400)) for _ in range(4))
+            + " FROM v",
+            "statement too complex",
+        ),
+        # A glob() character class of 90 costs 90 compares per character: ~10 ms a call at the cap.
+        (
+            "glob classes",
+            f"WITH v(b) AS ({BIG}) SELECT " + "+".join(f"(b GLOB '*[{'b' * 90}]{i}')" for i in range(300)) + " FROM v",
+            f"statement stopped after {_STATEMENT_DEADLINE_S:g} s",
+        ),
+        # One trim() by a set of 20,000 characters: 10 s in one call.
+        (
+            "a trim set",
+            "SELECT length(trim(printf('%.200000c', 'a'), printf('%.20000c', 'b') || 'a'))",
+            "a set of more than",
+        ),
+    ],
+)
+def test_a_statement_of_many_costly_calls_ends_within_the_statement_limit(name, sql, reason):
+    """SQLite checks its progress handler (the statement's clock) only where its program jumps, so
+    what runs straight through (constants, one row's expressions) or inside one call never met the
+    2 s deadline. Now the program is capped, and the calls whose one call can be slow check the clock
+    themselves: each statement is refused at once or stopped at the deadline, and this process spends
+    at most the deadline and a margin on it (the margin: ~2,000 instructions at the cap, the thread,
+    the error path). Breaks tried: no program cap (SQLITE_LIMIT_VDBE_OP left at SQLite's default) ->
+    the constant calls ran 9 s, fails; glob() and trim() unwrapped (ClockedPatterns not installed) ->
+    the glob classes ran 4 s past the deadline, the trim 10 s, fails."""
+    why, cpu, wall = _stopped(sql)
+    assert reason in why, (name, why)
+    assert cpu < _STATEMENT_DEADLINE_S + 0.75 and wall < _STATEMENT_DEADLINE_S + 3, (name, cpu, wall)
+
+
+def test_the_costliest_program_under_the_cap_stays_within_the_margin():
+    """What the cap lets through unchecked: a program just under it, every instruction it can spare an
+    upper() of a value at the cap. It runs to its end, in less than the margin the deadline is given
+    above. Break tried: the cap at 20,000 -> 9.5 times the calls, past the margin, fails."""
+    from refenv.world import _MAX_PROGRAM_OPS
+
+    capped = sqlite3.connect(":memory:")
+    capped.setlimit(sqlite3.SQLITE_LIMIT_VDBE_OP, _MAX_PROGRAM_OPS)
+    terms = 1
+    while True:  # the most upper() calls that still compile under the cap (SQLite's own answer)
+        wider = f"WITH v(b) AS ({BIG}) SELECT " + "+".join(f"length(upper(b || {i}))" for i in range(terms + 1))
+        try:
+            capped.execute(f"EXPLAIN {wider} FROM v").fetchall()
+        except MemoryError:
+            break
+        terms += 1
+    assert terms > 100, terms
+    sql = f"WITH v(b) AS ({BIG}) SELECT " + "+".join(f"length(upper(b || {i}))" for i in range(terms)) + " FROM v"
+    image = sqlite3.connect(":memory:")
+    image.execute("CREATE TABLE t (a)")
+    image.commit()
+
+    async def run() -> list:
+        world = await WorldPool(image, 1).acquire()
+        return world.execute(sql, 10, 100).rows
+
+    cpu = time.process_time()
+    rows = asyncio.run(run())
+    spent = time.process_time() - cpu
+    assert rows and rows[0][0] > 262000 * terms, rows
+    assert spent < 0.75, (terms, spent)
+
+
+def test_an_honest_statement_fits_the_program_cap(pair):
+    """A five-table join with a CTE, a window, subqueries, CASE, LIKE, trim() and printf() (~400
+    instructions) runs on a world: the cap is for programs no task needs."""
+    from refenv.world import build_database
+
+    image = build_database(1, 1)
+
+    async def run() -> int:
+        world = await WorldPool(image, 1).acquire()
+        result = world.execute(HONEST, 100, 1000)
+        return len(result.rows)
+
+    assert asyncio.run(run()) > 0
+
+
+HONEST = """WITH spend AS (SELECT c.id, c.name, c.country, SUM(i.quantity * p.price) AS total, COUNT(DISTINCT o.id) AS n
+FROM customers c JOIN orders o ON o.customer_id = c.id JOIN order_items i ON i.order_id = o.id
+JOIN products p ON p.id = i.product_id
+WHERE o.status IN ('delivered', 'paid', 'shipped') AND p.category <> 'misc' AND trim(c.name) LIKE '%a%'
+GROUP BY c.id)
+SELECT s.name, s.country, ROUND(s.total, 2), RANK() OVER (PARTITION BY s.country ORDER BY s.total DESC) AS r,
+ CASE WHEN s.total > 1000 THEN 'big' WHEN s.total > 100 THEN 'mid' ELSE 'small' END,
+ (SELECT COUNT(*) FROM invoices v WHERE v.status = 'overdue' AND v.amount > (SELECT AVG(amount) FROM invoices)),
+ upper(substr(s.name, 1, 3)) || '-' || lower(s.country), printf('%05.2f', s.total)
+FROM spend s WHERE s.country IN (SELECT country FROM customers GROUP BY country HAVING COUNT(*) > 0)
+ORDER BY r, s.total DESC LIMIT 20"""
