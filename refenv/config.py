@@ -91,12 +91,33 @@ class Settings(TaskSuite):
         description="require `Authorization: Bearer TOKEN` on every route but /health (set it as "
         "REFENV_TOKEN: a flag shows in the process list)",
     )
+    token_file: Annotated[str | None, Flag(metavar="PATH")] = Field(
+        None,
+        description="read the token from this file (a secret mounted as a file; compose writes one): its "
+        "first line, at least 16 characters; instead of --token",
+    )
     log_level: Annotated[str, Flag(env=False)] = Field("warning", description="uvicorn log level")
 
     @field_validator("token", mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> Settings:
+        if self.token_file is None:
+            return self
+        if self.token is not None:
+            raise ValueError("give the token once: --token (REFENV_TOKEN) or --token-file (REFENV_TOKEN_FILE)")
+        try:
+            with open(self.token_file, encoding="utf-8") as file:
+                token = file.readline(4096).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--token-file {self.token_file}: cannot be read ({type(exc).__name__})") from None
+        if len(token) < 16:
+            raise ValueError(f"--token-file {self.token_file}: its first line is not a token of at least 16 characters")
+        self.token = token
+        return self
 
     @field_validator("step_timeout", mode="before")
     @classmethod

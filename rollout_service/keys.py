@@ -6,6 +6,9 @@ The file is environment-variable lines, so a shell (`set -a; . FILE`) and the se
     ROLLOUT_API_KEY=...      the data plane's key (trainers)
     ROLLOUT_ADMIN_KEY=...    the admin plane's key (operators: membership, policy updates)
 
+The env's token (refenv --token) is kept apart (`ensure_env_token`): the envs and the service hold
+it, the trainer does not.
+
 It is created with mode 0600 (owner only), never through a symlink. Keys generated once stay the
 keys: a file that exists is replaced only by keys the operator chose (both variables set).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,10 +54,47 @@ def ensure_key_file(path: str | Path, given: Mapping[str, str] | None = None) ->
         return path
     if not all(chosen.values()):
         chosen = {var: secrets.token_urlsafe(32) for var in chosen}
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     text = "# rollout-service keys (docs/security.md): keep this file private\n" + "".join(
         f"{var}={key}\n" for var, key in chosen.items()
     )
+    _write_private(path, text)
+    return path
+
+
+ENV_TOKEN_VAR = "ENV_TOKEN"
+# What a token given in ENV_TOKEN may hold: it is written into a file a shell reads as a variable.
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
+
+
+def ensure_env_token(path: str | Path, given: Mapping[str, str] | None = None) -> Path:
+    """Make `path` hold the env's token (its one line: refenv --token-file reads it) and
+    `<path>.env` the line `ENV_TOKEN=...` (the service's --env-token-env reads it once a shell has
+    read that file). The token: `given`'s ENV_TOKEN when set (written even over existing files),
+    else a fresh random one, written only if `path` does not exist yet. ValueError for an ENV_TOKEN
+    that is too short or holds characters a shell would read otherwise."""
+    path = Path(path).expanduser()
+    shell_file = path.with_name(path.name + ".env")
+    for file in (path, shell_file):
+        if file.is_symlink():
+            raise ValueError(f"{file} is a symlink: the token is written only where it is named")
+    chosen = (given or {}).get(ENV_TOKEN_VAR, "")
+    if chosen and not _TOKEN.fullmatch(chosen):
+        raise ValueError(
+            f"{ENV_TOKEN_VAR} must be 16 to 512 characters of letters, digits and ._~+/=- (it is not shown here)"
+        )
+    if not chosen:
+        if path.exists() and shell_file.exists():
+            return path
+        chosen = secrets.token_urlsafe(32)
+    _write_private(path, chosen + "\n")
+    _write_private(shell_file, f"{ENV_TOKEN_VAR}={chosen}\n")
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """`text` as `path`, mode 0600, in a folder made 0700 if missing. When run as root (a container's
+    key step writing into a host folder), the file is given to that folder's owner."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Written beside it and renamed over: a reader never sees half a file, and a link planted at the
     # temporary name is refused (O_EXCL | O_NOFOLLOW).
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
@@ -68,7 +109,6 @@ def ensure_key_file(path: str | Path, given: Mapping[str, str] | None = None) ->
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-    return path
 
 
 def client_keys(

@@ -81,6 +81,32 @@ def test_compose_files_validate(compose):
 
 
 @pytest.mark.parametrize("compose", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_closes_the_env_by_default_with_a_token_it_generates(compose):
+    """With no ENV_TOKEN set, the env still answers only the service: the keys step writes a token
+    once (`rollout-service env-token`, ENV_TOKEN where set), the env reads it from a file, the service
+    from the same volume; nothing gives the env an empty token (refenv then asks for none). Checked on
+    the files as compose resolves them (no Docker engine here); the pieces themselves run in
+    tests/test_security.py. Break tried: the old files (REFENV_TOKEN: ${ENV_TOKEN:-}) -> the env got an
+    empty token and no file, fails."""
+    for given in ({}, {"ENV_TOKEN": "an-operator-chosen-token"}):
+        services = _config(compose, **given)["services"]
+        env, keys, service = services["env"], services["keys"], services["service"]
+        assert "REFENV_TOKEN" not in env.get("environment", {}), env.get("environment")
+        assert env["environment"]["REFENV_TOKEN_FILE"] == "/env-token/token"
+        assert "env-token:/env-token:ro" in " ".join(str(v) for v in env["volumes"]), env["volumes"]
+        assert env["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+        step = " ".join(keys["command"])
+        assert "rollout-service env-token /env-token/token" in step and "chown 10001" in step, step
+        assert keys["environment"]["ENV_TOKEN"] == given.get("ENV_TOKEN", ""), keys["environment"]
+        assert "env-token:/env-token" in " ".join(str(v) for v in keys["volumes"])
+        assert ". /env-token/token.env" in " ".join(service["entrypoint"]), service["entrypoint"]
+        assert "env-token:/env-token:ro" in " ".join(str(v) for v in service["volumes"])
+        command = service["command"]
+        assert command[command.index("--env-token-env") + 1] == "ENV_TOKEN"
+        assert "ENV_TOKEN" not in (service.get("environment") or {}), "the file's token, not an empty variable"
+
+
+@pytest.mark.parametrize("compose", ["compose.yaml", "compose.cpu.yaml"])
 def test_compose_runs_a_foreign_env_image_as_it_intends(compose):
     """GraphJin's image: its own entrypoint (`graphjin`), ENV_COMMAND as its arguments, its project
     mounted at /data, no health-check tooling inside."""

@@ -298,6 +298,62 @@ def test_the_envs_token_goes_only_to_an_env_whose_health_was_accepted(
         server.server_close()
 
 
+def test_what_compose_wires_closes_the_env_with_a_generated_token(
+    start_refenv, start_service, start_scripted_model, tmp_path
+):
+    """compose's pieces, run here as its files wire them (no Docker engine on this machine; the files
+    themselves are checked in tests/test_docker_files.py): `rollout-service env-token FILE` with no
+    ENV_TOKEN makes a token once and keeps it; refenv --token-file FILE answers only its holder; the
+    service, given ENV_TOKEN from FILE.env, runs a group on it. An ENV_TOKEN a shell would misread is
+    refused without being shown. Break tried: refenv without --token-file (the old compose: an empty
+    REFENV_TOKEN) -> /tasks answered 200 to anyone, fails."""
+    token_file = tmp_path / "env-token" / "token"
+    quiet = {k: v for k, v in os.environ.items() if k != "ENV_TOKEN"}
+    made = cli("env-token", str(token_file), env=quiet)
+    assert made.returncode == 0, made.stderr
+    token = token_file.read_text().strip()
+    assert len(token) >= 32 and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert cli("env-token", str(token_file), env=quiet).returncode == 0
+    assert token_file.read_text().strip() == token  # kept: the envs and the service keep agreeing
+    shell_line = (tmp_path / "env-token" / "token.env").read_text()
+    assert shell_line == f"ENV_TOKEN={token}\n"
+    bad = cli("env-token", str(token_file), env=quiet | {"ENV_TOKEN": "short; rm -rf x"})
+    assert bad.returncode == 1 and "rm -rf" not in bad.stderr and "ENV_TOKEN" in bad.stderr, bad.stderr
+    env = start_refenv("--pool", "2", "--token-file", str(token_file))
+    assert httpx.get(f"{env.url}/tasks", timeout=10).status_code == 401  # closed to whoever lacks it
+    model = start_scripted_model("answer")
+    service = start_service(
+        [env.url], "--env-token-env", "ENV_TOKEN", env={"ENV_TOKEN": token}, vllm=model.url, model="scripted"
+    )
+    group = httpx.post(f"{service.url}/groups", json={"task_id": "t001", "n": 2}, timeout=120).json()
+    assert group["counts"]["scored"] == 2, group["counts"]
+    assert env.health()["episodes"]["finished"] == 2
+
+
+def test_refenv_refuses_a_token_file_it_cannot_use(tmp_path):
+    short = tmp_path / "short"
+    short.write_text("tiny\n")
+    for path in (short, tmp_path / "missing"):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "refenv.cli",
+                "serve",
+                "--step",
+                "--token-file",
+                str(path),
+                "--listen",
+                "127.0.0.1:9",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2 and "--token-file" in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert "tiny" not in done.stderr
+
+
 # -- checkpoint paths: checked, bounded, and telling nothing (item 8) -------------------------------
 
 REFUSED_UNDER_ROOT = "is not a readable checkpoint under the checkpoint root"

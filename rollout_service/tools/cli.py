@@ -264,6 +264,30 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_env_token(sub) -> None:
+    p = sub.add_parser(
+        "env-token",
+        help="write the envs' token to FILE and FILE.env (mode 0600) unless FILE holds one already",
+        description="Write the token the service sends its envs (refenv --token-file FILE) to FILE, and the "
+        "line ENV_TOKEN=... to FILE.env (for --env-token-env ENV_TOKEN once a shell has read it): $ENV_TOKEN "
+        "where set, else a fresh random token. A FILE that exists is kept as it is, unless ENV_TOKEN is "
+        "set. compose does this.",
+    )
+    p.add_argument("file", type=Path)
+
+
+def _env_token(args: argparse.Namespace) -> int:
+    from ..keys import ensure_env_token
+
+    try:
+        path = ensure_env_token(args.file, os.environ)
+    except (OSError, ValueError) as exc:
+        print(f"rollout-service env-token: {exc}", file=sys.stderr)
+        return 1
+    print(f"env token: {path}")
+    return 0
+
+
 def _add_measure(sub) -> None:
     p = sub.add_parser("measure", help="pass rate of the policy on an eval-side env, with a 95%% interval")
     p.add_argument("--env", required=True, action="append", metavar="EVAL_URL", help="eval-side env server")
@@ -495,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_vllm(sub)
     _add_export(sub)
     _add_keys(sub)
+    _add_env_token(sub)
     _add_measure(sub)
     _add_loadtest(sub)
     _add_ray(sub)
@@ -510,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": _vllm,
         "export": _export,
         "keys": _keys,
+        "env-token": _env_token,
         "measure": _measure,
         "loadtest": _loadtest,
         "ray": _ray,
