@@ -172,51 +172,70 @@ class DroppedGroup(BaseModel):
 
     task_id: str
     group_id: str | None = None
-    reason: Literal["no_signal", "too_few_graded", "group_failed", "stale"]
+    reason: Literal["no_signal", "too_few_graded", "group_failed", "stale", "undelivered"]
     detail: str
     rewards: list[float | None] = Field(default_factory=list)
     attempts: int = 0
     completion_tokens: int = 0
 
 
-class SampleSummary(BaseModel):
-    """The last line of a sample (or of a pull)."""
-
-    requested: int
-    kept: int
-    complete: bool = Field(description="as many groups were kept as were asked for")
-    stopped: str = Field(description="why it ended, in words: the count reached, the budget spent, ...")
-    groups_run: int = Field(description="groups that finished (kept or dropped); cancelled ones are not counted")
-    groups_cancelled: int = Field(0, description="groups still running when it ended, cancelled (worlds released)")
-    dropped: dict[str, int] = Field(default_factory=dict, description="dropped groups by reason")
-    attempts_dropped: int = Field(0, description="attempts spent on dropped groups")
-    completion_tokens_dropped: int = Field(0, description="completion tokens spent on dropped groups")
-    skipped_tasks: dict[str, list[str]] = Field(
-        default_factory=dict, description="tasks the difficulty bounds skipped, by why (pass_rate_above/below)"
-    )
-    budget: int | None = None
-    # Streams only.
-    lags: list[int] | None = Field(None, description="each handed-out group's lag (updates behind), in order")
-    lag_histogram: dict[str, int] | None = Field(None, description="lag -> groups handed out, over the stream's life")
-    buffer: dict[str, int] | None = Field(None, description="the stream's bound, buffered and running groups now")
-    policy_version: str | None = None
-
-
 class StreamState(BaseModel):
+    """A stream's state (GET /samplers/{id}, and each pull's summary): every count is over the
+    stream's life."""
+
     id: str
     buffer_bound: int
-    buffered: int
-    running: int
-    handed_out: int
-    dropped: dict[str, int]
+    buffered: int = Field(description="groups kept and waiting for a pull, now")
+    running: int = Field(description="groups running for the stream, now")
+    handed_out: int = Field(description="groups handed out by pulls")
+    groups_run: int = Field(description="groups that finished: handed out, dropped, or buffered")
+    dropped: dict[str, int] = Field(description="dropped groups by reason")
+    attempts_dropped: int = Field(0, description="attempts spent on dropped groups")
+    completion_tokens_dropped: int = Field(0, description="completion tokens spent on dropped groups")
+    dropped_lines_lost: int = Field(
+        0, description="dropped groups whose line was lost (over 256 waited for a pull, or a pull was cut off)"
+    )
     skipped_tasks: dict[str, list[str]]
-    lag_histogram: dict[str, int]
-    max_staleness: int | None
-    groups_run: int
-    budget: int | None
+    lag_histogram: dict[str, int] = Field(description="lag -> groups handed out")
+    max_staleness: int | None = None
+    budget: int | None = None
     idle_timeout_s: float
     idle_s: float
     stopped: str | None = Field(None, description="why production stopped (budget spent, no task left), if it has")
+
+
+class SampleSummary(BaseModel):
+    """The last line of a sample, or of a pull. A sample's counts are the request's own. A pull's
+    top-level counts are that pull's alone; `stream` holds the stream's totals over its life."""
+
+    requested: int
+    kept: int = Field(description="groups handed out in this answer")
+    complete: bool = Field(description="as many groups were kept as were asked for")
+    stopped: str = Field(description="why it ended, in words: the count reached, the budget spent, ...")
+    groups_run: int = Field(
+        description="sample: groups that finished (kept or dropped; cancelled ones are not counted). "
+        "Pull: the groups this summary tells of (kept + dropped)"
+    )
+    groups_cancelled: int = Field(0, description="groups still running when it ended, cancelled (worlds released)")
+    dropped: dict[str, int] = Field(
+        default_factory=dict,
+        description="dropped groups by reason. Pull: those dropped since the previous pull's summary",
+    )
+    attempts_dropped: int = Field(0, description="attempts spent on the groups counted in `dropped`")
+    completion_tokens_dropped: int = Field(0, description="completion tokens spent on the groups counted in `dropped`")
+    skipped_tasks: dict[str, list[str]] | None = Field(
+        None, description="sample only: tasks the difficulty bounds skipped, by why (a stream's: stream.skipped_tasks)"
+    )
+    budget: int | None = Field(None, description="sample only (a stream's: stream.budget)")
+    # Pulls only.
+    dropped_lines_lost: int | None = Field(
+        None,
+        description="of the groups counted in `dropped`, those whose line this answer does not carry: more "
+        "than 256 waited between pulls (the oldest lines went), or an earlier pull was cut off",
+    )
+    lags: list[int] | None = Field(None, description="each handed-out group's lag (updates behind), in order")
+    policy_version: str | None = None
+    stream: StreamState | None = Field(None, description="the stream's state and totals over its life")
 
 
 class VersionStats(BaseModel):

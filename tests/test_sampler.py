@@ -290,7 +290,7 @@ def test_no_handed_out_group_exceeds_max_staleness_across_updates(start_refenv, 
 
     handed, _, summary = pull(service, stream, 1)
     check(handed, "base")
-    assert summary["lags"] == [0] and summary["buffer"]["bound"] == 3
+    assert summary["lags"] == [0] and summary["stream"]["buffer_bound"] == 3
     # The stream refills its buffer under "base" while the trainer "trains"; then updates land.
     assert wait_until(lambda: httpx.get(f"{service}/samplers/{stream}").json()["buffered"] >= 2, 600)
     update("v1")

@@ -46,6 +46,21 @@ class Finished:
     body: bytes | None = None
     dropped: DroppedGroup | None = None
     oldest_version: str | None = None
+    completion_tokens: int = 0  # what it cost: a kept group dropped later (stale) still counts it
+
+
+@dataclass
+class DropCounts:
+    """Dropped groups counted: by reason, and what they cost."""
+
+    dropped: Counter[str] = field(default_factory=Counter)
+    attempts_dropped: int = 0
+    completion_tokens_dropped: int = 0
+
+    def count(self, dropped: DroppedGroup) -> None:
+        self.dropped[dropped.reason] += 1
+        self.attempts_dropped += dropped.attempts
+        self.completion_tokens_dropped += dropped.completion_tokens
 
 
 class TaskDeck:
@@ -84,14 +99,13 @@ class TaskDeck:
 
 
 @dataclass
-class Tally:
-    """What a sampler has run, for its summary lines and its stream's state."""
+class Tally(DropCounts):
+    """What a sampler has run, for its summary lines and its stream's state. Every group that finished
+    is counted once: kept when it is handed to the caller, or dropped (a stream's buffered groups are
+    neither yet)."""
 
     groups_run: int = 0
     kept: int = 0
-    dropped: Counter[str] = field(default_factory=Counter)
-    attempts_dropped: int = 0
-    completion_tokens_dropped: int = 0
     skipped: dict[str, set[str]] = field(default_factory=dict)
 
     def skipped_lists(self) -> dict[str, list[str]]:
@@ -301,9 +315,11 @@ class Sampler:
                 detail = f"{len(graded)} of {group['n']} attempts graded ({dict(statuses)}): no comparison"
             elif all(r == graded[0] for r in graded):
                 reason, detail = "no_signal", f"every graded reward is {graded[0]:g}"
+        tokens = group.get("completion_tokens", 0)
         if reason is None:
-            self.tally.kept += 1
-            return Finished(task_id, group["n"], group.get("group_id"), body=body, oldest_version=oldest)
+            return Finished(
+                task_id, group["n"], group.get("group_id"), body=body, oldest_version=oldest, completion_tokens=tokens
+            )
         assert detail is not None
         self.held.release(group["n"])
         dropped = DroppedGroup(
@@ -313,22 +329,26 @@ class Sampler:
             detail=detail,
             rewards=group["rewards"],
             attempts=group["n"],
-            completion_tokens=group.get("completion_tokens", 0),
+            completion_tokens=tokens,
         )
         self.count_dropped(dropped)
-        return Finished(task_id, group["n"], dropped=dropped, oldest_version=oldest)
+        return Finished(task_id, group["n"], dropped=dropped, oldest_version=oldest, completion_tokens=tokens)
 
     def _drop(self, task_id: str, attempts: int, reason: str, detail: str) -> Finished:
         if not self.stopped:  # a group cancelled by a shutdown did not run
             self.tally.groups_run += 1
         dropped = DroppedGroup(task_id=task_id, reason=reason, detail=detail[:500])
-        self.tally.dropped[reason] += 1
+        self.count_dropped(dropped)
         return Finished(task_id, attempts, dropped=dropped)
 
+    def count_kept(self) -> None:
+        """A kept group is being handed to the caller (counted here alone, once)."""
+        self.tally.kept += 1
+        self.service.samplers.metrics.kept.inc()
+
     def count_dropped(self, dropped: DroppedGroup) -> None:
-        self.tally.dropped[dropped.reason] += 1
-        self.tally.attempts_dropped += dropped.attempts
-        self.tally.completion_tokens_dropped += dropped.completion_tokens
+        self.tally.count(dropped)
+        self.service.samplers.metrics.dropped.labels(reason=dropped.reason).inc()
 
     def close(self) -> int:
         """Cancel every group still running (their episodes are abandoned); how many there were."""

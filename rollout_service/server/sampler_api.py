@@ -14,7 +14,7 @@ from ..protocol import ErrorBody
 from ..sampler_protocol import SampleRequest, StreamCreate, StreamPull, StreamState, TaskStats
 from .errors import Conflict
 from .sampler import Sampler
-from .sampler_streams import dropped_line, summary, summary_line
+from .sampler_streams import dropped_line, sample_summary, summary_line
 from .service import RolloutService
 from .stream_out import BoundedStream, HeldResults
 
@@ -52,14 +52,13 @@ async def sample(body: SampleRequest, request: Request) -> Response:
 
 
 async def _sample_lines(sampler: Sampler, count: int, held: HeldResults) -> AsyncIterator[bytes]:
-    metrics = sampler.service.samplers.metrics
     try:
         while sampler.tally.kept < count:
             item = await sampler.next()
             if item is None:
                 break
             if item.body is not None:
-                metrics.kept.inc()
+                sampler.count_kept()
                 line = b'{"group": %b}\n' % item.body
                 attempts = item.attempts
                 del item
@@ -67,7 +66,6 @@ async def _sample_lines(sampler: Sampler, count: int, held: HeldResults) -> Asyn
                 held.release(attempts)
             else:
                 assert item.dropped is not None
-                metrics.dropped.labels(reason=item.dropped.reason).inc()
                 yield dropped_line(item.dropped)
         kept = sampler.tally.kept
         if kept >= count:
@@ -77,7 +75,7 @@ async def _sample_lines(sampler: Sampler, count: int, held: HeldResults) -> Asyn
         else:
             stopped = sampler.stopped or "stopped"
         cancelled = sampler.close()
-        yield summary_line(summary(sampler, count, kept, stopped, cancelled))
+        yield summary_line(sample_summary(sampler, count, stopped, cancelled))
     finally:
         sampler.close()
         held.close()
@@ -106,8 +104,9 @@ async def stream_state(stream_id: str, request: Request) -> StreamState:
     summary="Take `count` groups from a stream",
     response_description="NDJSON: {lag, group} per group handed out (lag: policy updates behind the current "
     "version, never above the stream's max_staleness), {dropped} for each group not kept since the last pull "
-    "(stale ones included), then {summary} with the lags, their histogram and the buffer. 410 sampler_gone: "
-    "deleted or expired; 404 unknown_sampler: not made by this process (a restart)",
+    "(stale and undelivered ones included), then {summary}: this pull's counts and lags, and `stream`, the "
+    "stream's state and totals over its life. 410 sampler_gone: deleted or expired; 404 unknown_sampler: not "
+    "made by this process (a restart)",
 )
 async def pull(stream_id: str, body: StreamPull, request: Request) -> Response:
     service = _ready(request)

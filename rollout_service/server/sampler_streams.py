@@ -18,6 +18,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter as PromCounter
@@ -25,7 +26,7 @@ from prometheus_client import Gauge, Histogram
 
 from ..sampler_protocol import DroppedGroup, SampleSummary, StreamCreate, StreamState
 from .errors import Gone, NotFound
-from .sampler import Finished, Sampler
+from .sampler import DropCounts, Finished, Sampler
 from .stream_out import HeldResults
 
 if TYPE_CHECKING:
@@ -63,12 +64,13 @@ class SamplerMetrics:
         self.open.set_function(lambda: len(streams.streams))
 
 
-def summary(sampler: Sampler, requested: int, kept: int, stopped: str, cancelled: int, **extra) -> SampleSummary:
+def sample_summary(sampler: Sampler, requested: int, stopped: str, cancelled: int) -> SampleSummary:
+    """A one-shot sample's last line: every count is the request's own."""
     t = sampler.tally
     return SampleSummary(
         requested=requested,
-        kept=kept,
-        complete=kept >= requested,
+        kept=t.kept,
+        complete=t.kept >= requested,
         stopped=stopped,
         groups_run=t.groups_run,
         groups_cancelled=cancelled,
@@ -77,7 +79,6 @@ def summary(sampler: Sampler, requested: int, kept: int, stopped: str, cancelled
         completion_tokens_dropped=t.completion_tokens_dropped,
         skipped_tasks=t.skipped_lists(),
         budget=sampler.budget,
-        **extra,
     )
 
 
@@ -89,6 +90,13 @@ def summary_line(text: SampleSummary) -> bytes:
     return b'{"summary": %b}\n' % text.model_dump_json(exclude_none=True).encode()
 
 
+@dataclass
+class Unreported(DropCounts):
+    """Dropped groups not yet told in a pull's summary, and how many of their lines were lost."""
+
+    lines_lost: int = 0
+
+
 class SamplerStream:
     def __init__(self, service: RolloutService, body: StreamCreate, stream_id: str, metrics: SamplerMetrics) -> None:
         self.id = stream_id
@@ -97,7 +105,11 @@ class SamplerStream:
         self.metrics = metrics
         self.held = HeldResults(service)
         self.buffer: deque[Finished] = deque()
-        self.drops: deque[DroppedGroup] = deque(maxlen=_DROPS_KEPT)
+        # Lines of dropped groups waiting for the next pull, at most _DROPS_KEPT: past that the oldest
+        # line goes, counted in `unreported` (the summary says how many), never silently.
+        self.drops: deque[DroppedGroup] = deque()
+        self.unreported = Unreported()
+        self.lines_lost = 0  # over the stream's life
         self.lag_histogram: Counter[int] = Counter()
         self.handed = 0
         self.last_used = time.monotonic()
@@ -117,13 +129,23 @@ class SamplerStream:
                 break
             if item.body is not None:
                 self.buffer.append(item)
-                self.metrics.kept.inc()
             else:
                 assert item.dropped is not None
-                self.drops.append(item.dropped)
-                self.metrics.dropped.labels(reason=item.dropped.reason).inc()
+                self._tell(item.dropped)
             self._changed.set()
         self._changed.set()
+
+    def _tell(self, dropped: DroppedGroup) -> None:
+        """Queue a dropped group's line for the next pull (the sampler has counted it already)."""
+        self.unreported.count(dropped)
+        if len(self.drops) >= _DROPS_KEPT:
+            self.drops.popleft()
+            self._line_lost()
+        self.drops.append(dropped)
+
+    def _line_lost(self) -> None:
+        self.unreported.lines_lost += 1
+        self.lines_lost += 1
 
     @property
     def stopped(self) -> str | None:
@@ -137,6 +159,38 @@ class SamplerStream:
     def lag_of(self, item: Finished) -> int:
         return self.service.replicas.versions.behind(item.oldest_version) if item.oldest_version else 0
 
+    def _drop_stale(self, item: Finished, lag: int) -> DroppedGroup:
+        self.held.release(item.attempts)
+        stale = DroppedGroup(
+            task_id=item.task_id,
+            group_id=item.group_id,
+            reason="stale",
+            detail=f"its oldest turn (version {item.oldest_version}) is {lag} updates behind "
+            f"{self.service.replicas.versions.current.label} (max_staleness={self.body.max_staleness}): dropped, "
+            "replaced",
+            attempts=item.attempts,
+            completion_tokens=item.completion_tokens,
+        )
+        self.sampler.count_dropped(stale)
+        return stale
+
+    def _undelivered(self, task_id: str, group_id: str | None, attempts: int, tokens: int) -> None:
+        """A group's line was being written when the pull was cut off (the reader went or stalled):
+        whether any of it arrived is unknown, so it is not handed out again (a trainer must not get a
+        group twice) but counted as dropped, told at the next pull, and its queue room given back."""
+        self.held.release(attempts)
+        lost = DroppedGroup(
+            task_id=task_id,
+            group_id=group_id,
+            reason="undelivered",
+            detail="its line was being written when a pull was cut off (the reader went away, or took nothing "
+            "for --stream-stall-timeout): it may have arrived in part or whole; not handed out again",
+            attempts=attempts,
+            completion_tokens=tokens,
+        )
+        self.sampler.count_dropped(lost)
+        self._tell(lost)
+
     async def pull(self, count: int, timeout_s: float) -> AsyncIterator[bytes]:
         """NDJSON: `count` groups ({"lag", "group"}), the dropped groups' lines as they come, then the
         summary. Fewer only when production stopped or `timeout_s` passed, and the summary says which."""
@@ -144,35 +198,40 @@ class SamplerStream:
         lags: list[int] = []
         stopped = None
         try:
-            while len(lags) < count:
+            while True:
                 while self.drops:
-                    yield dropped_line(self.drops.popleft())
+                    written = False
+                    try:
+                        yield dropped_line(self.drops.popleft())
+                        written = True
+                    finally:
+                        if not written:  # cut off while writing it
+                            self._line_lost()
+                if len(lags) >= count or stopped is not None:
+                    break
                 if self.buffer:
                     item = self.buffer.popleft()
                     self.sampler.wake()
                     lag = self.lag_of(item)
                     bound = self.body.max_staleness
                     if bound is not None and lag > bound:
-                        self.held.release(item.attempts)
-                        stale = DroppedGroup(
-                            task_id=item.task_id,
-                            group_id=item.group_id,
-                            reason="stale",
-                            detail=f"its oldest turn (version {item.oldest_version}) is {lag} updates behind "
-                            f"{self.service.replicas.versions.current.label} (max_staleness={bound}): dropped, "
-                            "replaced",
-                            attempts=item.attempts,
-                        )
-                        self.sampler.count_dropped(stale)
-                        self.metrics.dropped.labels(reason="stale").inc()
-                        yield dropped_line(stale)
+                        self._tell(self._drop_stale(item, lag))
                         continue
                     assert item.body is not None
                     line = b'{"lag": %d, "group": %b}\n' % (lag, item.body)
-                    attempts = item.attempts
+                    task_id, group_id, attempts = item.task_id, item.group_id, item.attempts
+                    tokens = item.completion_tokens
                     del item
-                    yield line
+                    written = False
+                    try:
+                        yield line
+                        written = True
+                    finally:
+                        if not written:
+                            self._undelivered(task_id, group_id, attempts, tokens)
+                    del line
                     self.held.release(attempts)
+                    self.sampler.count_kept()
                     lags.append(lag)
                     self.handed += 1
                     self.lag_histogram[lag] += 1
@@ -180,33 +239,33 @@ class SamplerStream:
                     continue
                 if self.stopped is not None:
                     stopped = self.stopped
-                    break
+                    continue  # the dropped lines still waiting, then the summary
                 left = deadline - time.monotonic()
                 if left <= 0:
                     stopped = f"timeout_s={timeout_s:g} passed with {len(lags)} of {count} groups handed out"
-                    break
+                    continue
                 self._changed.clear()
                 try:
                     await asyncio.wait_for(self._changed.wait(), left)
                 except TimeoutError:
                     pass
-            while self.drops:
-                yield dropped_line(self.drops.popleft())
+            # Nothing is awaited from the last drop line to here: the summary tells exactly the lines sent
+            # (and those lost).
+            told, self.unreported = self.unreported, Unreported()
             yield summary_line(
-                summary(
-                    self.sampler,
-                    count,
-                    len(lags),
-                    stopped or "count reached",
-                    0,
+                SampleSummary(
+                    requested=count,
+                    kept=len(lags),
+                    complete=len(lags) >= count,
+                    stopped=stopped or "count reached",
+                    groups_run=len(lags) + sum(told.dropped.values()),
+                    dropped=dict(told.dropped),
+                    attempts_dropped=told.attempts_dropped,
+                    completion_tokens_dropped=told.completion_tokens_dropped,
+                    dropped_lines_lost=told.lines_lost,
                     lags=lags,
-                    lag_histogram={str(k): v for k, v in sorted(self.lag_histogram.items())},
-                    buffer={
-                        "bound": self.body.buffer,
-                        "buffered": len(self.buffer),
-                        "running": len(self.sampler.running),
-                    },
                     policy_version=self.service.replicas.versions.current.label,
+                    stream=self.state(),
                 )
             )
         finally:
@@ -214,17 +273,21 @@ class SamplerStream:
             self.last_used = time.monotonic()
 
     def state(self) -> StreamState:
+        t = self.sampler.tally
         return StreamState(
             id=self.id,
             buffer_bound=self.body.buffer,
             buffered=len(self.buffer),
             running=len(self.sampler.running),
             handed_out=self.handed,
-            dropped=dict(self.sampler.tally.dropped),
-            skipped_tasks=self.sampler.tally.skipped_lists(),
+            groups_run=t.groups_run,
+            dropped=dict(t.dropped),
+            attempts_dropped=t.attempts_dropped,
+            completion_tokens_dropped=t.completion_tokens_dropped,
+            dropped_lines_lost=self.lines_lost,
+            skipped_tasks=t.skipped_lists(),
             lag_histogram={str(k): v for k, v in sorted(self.lag_histogram.items())},
             max_staleness=self.body.max_staleness,
-            groups_run=self.sampler.tally.groups_run,
             budget=self.sampler.budget,
             idle_timeout_s=self.body.idle_timeout_s,
             idle_s=round(0.0 if self.pulling else time.monotonic() - self.last_used, 3),
