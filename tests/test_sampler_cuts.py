@@ -1,15 +1,20 @@
-"""Pull answers cut off mid-way by the service, when its reader stops reading (--stream-stall-timeout).
+"""Sample and pull answers cut off mid-way: by the service, when its reader stops reading
+(--stream-stall-timeout), and on the way, when the connection goes (the trainer's client must hand over
+what arrived and say the answer was cut).
 
 Oracles: the run log (--runs-dir: every finished group as it finished), the test's own reading of the
-bytes that came, refenv's own counters, /health/detail's queued attempts. The scripted stand-in model,
-because the lines must be big and come at once (a reader's socket buffers filled in seconds; the real
-model would take many minutes).
+bytes that came, refenv's own counters, /health/detail's queued attempts. The scripted stand-in model
+where lines must be big and come at once (a reader's socket buffers filled in seconds; the real model
+would take many minutes) or must come one at a time. A small proxy stands in for a network that drops
+the connection after the first group's line: a real service cannot be made to cut an answer there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 
 import httpx
 import pytest
@@ -105,4 +110,106 @@ def test_a_pull_cut_off_mid_group_tells_of_it_and_gives_its_queue_room_back(
     assert summary["stream"]["handed_out"] == len(handed_ids) == budget - 1, summary["stream"]
     assert httpx.get(f"{service}/health/detail", timeout=10).json()["attempts_queued"] == 0
     assert wait_until(lambda: env_health(env.url)["leased"] == 0, timeout_s=10)
+    assert_env_accounted(env_health(env.url))
+
+
+class CuttingProxy:
+    """Forwards each connection to `upstream` and drops it, both ways, right after the first complete
+    group line of an answer (a chunk holding "group": {...}) has been passed on."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.cuts = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._forward, args=(client,), daemon=True).start()
+
+    def _forward(self, client: socket.socket) -> None:
+        server = socket.create_connection(self.upstream)
+
+        def up() -> None:
+            try:
+                while data := client.recv(1 << 16):
+                    server.sendall(data)
+            except OSError:
+                pass
+
+        threading.Thread(target=up, daemon=True).start()
+        seen = b""
+        try:
+            while data := server.recv(1 << 16):
+                seen += data
+                start = seen.find(b'"group": {')
+                end = seen.find(b"\n\r\n", start) if start >= 0 else -1
+                if end >= 0:  # pass on up to the end of that chunk, then cut
+                    client.sendall(data[: len(data) - (len(seen) - (end + 3))])
+                    self.cuts += 1
+                    return
+                client.sendall(data)
+                if seen.endswith(b"0\r\n\r\n"):  # an answer ended whole: the next one starts afresh
+                    seen = b""
+        except OSError:
+            pass
+        finally:
+            for sock in (client, server):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_the_client_hands_over_what_arrived_when_an_answer_is_cut(start_refenv, start_service, start_scripted_model):
+    """The connection drops after the first group's line of a sample (sync client) and of a pull (async
+    client): each raises StreamCut (a ServiceUnavailable, error stream_cut) carrying the group that
+    arrived (and its lag), never a bare httpx error nor an answer without its groups; the service, seeing
+    the client gone, cancels what the sample still ran (refenv: every world back).
+    Breaks tried (old code): the transport error escapes the client (httpx.RemoteProtocolError, the
+    arrived group lost); result() raising a plain ServiceUnavailable without the groups."""
+    from rollout_service.trainer import AsyncRolloutClient, RolloutClient, ServiceUnavailable, StreamCut
+
+    model = start_scripted_model("answer", "--delay", "0.3")  # one group at a time, each line on its own
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], vllm=model.url, model="scripted").url
+    proxy = CuttingProxy(service)
+    group = {"n": 2, "retries": 0, "sampling": SCRIPTED}
+    try:
+        with RolloutClient(proxy.url) as client:
+            with pytest.raises(StreamCut) as cut:
+                client.sample(count=4, filter="none", groups_at_once=1, group=group)
+        assert isinstance(cut.value, ServiceUnavailable) and cut.value.error == "stream_cut"
+        assert len(cut.value.groups) == 1 and cut.value.groups[0].n == 2, cut.value
+        assert "cut off" in str(cut.value) and cut.value.dropped == []
+        assert wait_until(lambda: env_health(env.url)["leased"] == 0, timeout_s=30), env_health(env.url)
+
+        async def pulled() -> tuple[str, StreamCut]:
+            async with AsyncRolloutClient(proxy.url) as client:
+                stream = await client.open_stream(buffer=2, filter="none", group=group)
+                with pytest.raises(StreamCut) as cut:
+                    await client.pull(stream.id, 3)
+                return stream.id, cut.value
+
+        stream, pull_cut = asyncio.run(pulled())
+        assert len(pull_cut.groups) == 1 and pull_cut.lags == [0], pull_cut
+        assert proxy.cuts == 2
+        # The group that arrived was handed out (the stream counted it), and the stream lives on.
+        assert stream_state(service, stream)["handed_out"] >= 1
+    finally:
+        proxy.close()
+    handed, _, summary = pull(service, stream, 1)
+    assert len(handed) == 1 and summary["kept"] == 1
+    assert httpx.delete(f"{service}/samplers/{stream}", timeout=60).status_code == 200
+    assert wait_until(lambda: env_health(env.url)["leased"] == 0, timeout_s=30)
     assert_env_accounted(env_health(env.url))

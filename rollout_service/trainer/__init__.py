@@ -17,6 +17,7 @@ from .client import (
     ServiceBusy,
     ServiceStarting,
     ServiceUnavailable,
+    StreamCut,
 )
 from .sharded import AsyncShardedClient, ShardedClient
 from .trajectory import NoTrajectory, token_batch, trainable, trl_rollout
@@ -41,6 +42,7 @@ __all__ = [
     "ServiceStarting",
     "ServiceUnavailable",
     "ShardedClient",
+    "StreamCut",
     "Turn",
     "group_advantages",
     "token_batch",

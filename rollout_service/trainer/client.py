@@ -61,6 +61,7 @@ __all__ = [
     "ServiceStarting",
     "GroupFailed",
     "Sampled",
+    "StreamCut",
 ]
 
 
@@ -123,6 +124,18 @@ class Sampled:
     lags: list[int]
 
 
+class StreamCut(ServiceUnavailable):
+    """A sample's or a pull's answer ended before its summary line: the connection was cut (the service
+    went away, or cut off a reader that took nothing for its --stream-stall-timeout, or the client's own
+    read timeout passed). What did arrive is here: `groups` (with `lags`, for a pull) and `dropped`.
+    A pull's groups that arrived were handed out by the stream and will not come again; pull again
+    for the rest (the stream lives on)."""
+
+    def __init__(self, message: str, groups: list[GroupResult], dropped: list[DroppedGroup], lags: list[int]) -> None:
+        super().__init__(None, "stream_cut", message)
+        self.groups, self.dropped, self.lags = groups, dropped, lags
+
+
 class _SampleReader:
     """The lines of a sample or a pull, gathered."""
 
@@ -132,10 +145,22 @@ class _SampleReader:
         self.lags: list[int] = []
         self.summary: SampleSummary | None = None
 
+    def cut(self, why: str) -> StreamCut:
+        return StreamCut(
+            f"the answer was cut off before its summary line ({why}) after {len(self.groups)} groups and "
+            f"{len(self.dropped)} dropped lines; those that arrived are on this error",
+            self.groups,
+            self.dropped,
+            self.lags,
+        )
+
     def add(self, line: str) -> None:
         if not line.strip():
             return
-        item = json.loads(line)
+        try:
+            item = json.loads(line)
+        except ValueError:  # the last line, cut in the middle
+            raise self.cut("its last line came in part") from None
         if "group" in item:
             self.groups.append(GroupResult.model_validate(item["group"]))
             if "lag" in item:
@@ -147,9 +172,7 @@ class _SampleReader:
 
     def result(self) -> Sampled:
         if self.summary is None:
-            raise ServiceUnavailable(
-                None, "stream_cut", f"the answer ended without its summary line after {len(self.groups)} groups"
-            )
+            raise self.cut("the answer ended without it")
         return Sampled(self.groups, self.dropped, self.summary, self.lags)
 
 
@@ -468,8 +491,11 @@ class RolloutClient(_BaseClient):
             if response.status_code >= 400:
                 response.read()
                 self._raise_for(response)
-            for line in response.iter_lines():
-                reader.add(line)
+            try:
+                for line in response.iter_lines():
+                    reader.add(line)
+            except httpx.TransportError as exc:  # the connection went mid-answer, or the read timed out
+                raise reader.cut(f"{type(exc).__name__}: {exc}") from exc
         return reader.result()
 
     def _get(self, path: str, headers: dict[str, str] | None = None) -> Any:
@@ -624,8 +650,11 @@ class AsyncRolloutClient(_BaseClient):
             if response.status_code >= 400:
                 await response.aread()
                 self._raise_for(response)
-            async for line in response.aiter_lines():
-                reader.add(line)
+            try:
+                async for line in response.aiter_lines():
+                    reader.add(line)
+            except httpx.TransportError as exc:  # the connection went mid-answer, or the read timed out
+                raise reader.cut(f"{type(exc).__name__}: {exc}") from exc
         return reader.result()
 
     async def _get(self, path: str, headers: dict[str, str] | None = None) -> Any:
