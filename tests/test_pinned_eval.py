@@ -79,3 +79,56 @@ def test_a_pinned_evaluation_runs_on_its_version_while_updates_land(start_refenv
     current = httpx.post(f"{service}/groups", json={**groups[0], "pin_version": c, "max_turns": 1}, timeout=120)
     assert current.status_code == 200, current.text
     assert {t["policy_version"] for a in current.json()["attempts"] for t in a["turns"]} <= {c}
+
+
+def test_a_pinned_sample_keeps_its_version_between_its_groups(start_refenv, start_service, vllm_url, tmp_path):
+    """POST /groups/sample pinned to version a, one group at a time, while b lands after its first
+    group started. Between two groups none of the sample's runs, yet the sample is not over: a must stay
+    loaded and pinnable until the sample ends, then go. Oracles: every turn's recorded version, vLLM's own
+    list of loaded adapters (/v1/models), the sample's count met.
+    Break tried (old code, the pin held only by each running group): once the first group ends a is
+    unloaded (no longer current, nothing pinned) and the next group is refused -> the sample stops after
+    one group with "the service refused a group (version_not_served)"; the same gap let another pin take
+    the room under --max-loras (429 too_many_pins), which stopped the sample for good."""
+    a, b = (f"{uuid.uuid4().hex[:8]}-{x}" for x in "ab")
+    env = start_refenv("--pool", "1", "--latency-ms", "500")
+    service = start_service([env.url]).url
+    post_policy(service, version=a, lora={"path": make_adapter(tmp_path / "a", 0.0)}).raise_for_status()
+    later = make_adapter(tmp_path / "b", 0.0, seed=1)
+    body = {
+        "count": 6,  # outlasts b's update: some of its groups start after b landed
+        "filter": "none",
+        "groups_at_once": 1,
+        "tasks": {"task_ids": ["t001", "t002", "t003", "t004"]},
+        "group": {
+            "n": 1,
+            "max_turns": 2,
+            "retries": 0,
+            "sampling": {"temperature": 1.0, "max_tokens": 24},
+            "pin_version": a,
+        },
+    }
+    lines: list[dict] = []
+
+    def run() -> None:
+        with httpx.stream("POST", f"{service}/groups/sample", json=body, timeout=900) as response:
+            assert response.status_code == 200, response.read()
+            lines.extend(json.loads(line) for line in response.iter_lines() if line.strip())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert wait_until(lambda: metric(service, "rollout_turns_total", version=a) >= 1, timeout_s=300)
+    post_policy(service, version=b, lora={"path": later}).raise_for_status()
+    assert thread.is_alive(), "the sample ended before b landed: nothing was tested"
+    thread.join(900)
+    summary = lines[-1]["summary"]
+    assert summary["complete"] and summary["kept"] == 6 and summary["stopped"] == "count reached", summary
+    groups = [line["group"] for line in lines if "group" in line]
+    assert len(groups) == 6
+    for group in groups:
+        assert_accounted(group)
+        for attempt in group["attempts"]:
+            assert attempt["failure"] is None or attempt["failure"]["kind"] != "internal_error", attempt["failure"]
+            assert {t["policy_version"] for t in attempt["turns"]} <= {a}
+    # The sample is over: nothing holds a any more, so it goes.
+    assert wait_until(lambda: f"{MODEL}@{a}" not in served_models(vllm_url), timeout_s=30)

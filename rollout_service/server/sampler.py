@@ -27,6 +27,7 @@ from .errors import Conflict, Invalid, NotFound, RequestRefused
 from .stream_out import HeldResults
 
 if TYPE_CHECKING:
+    from .policy import PolicyVersion
     from .service import RolloutService
 
 # Refusals after which the sampler stops: the service itself cannot run groups now.
@@ -205,6 +206,7 @@ class Sampler:
         self.stopped: str | None = None
         self._wake = asyncio.Event()
         self._busy_until = 0.0
+        self._pinned: PolicyVersion | None = None
 
     # -- starting groups ----------------------------------------------------------------------
 
@@ -215,6 +217,12 @@ class Sampler:
         if task_id is None:
             raise Conflict("no_tasks", "the draw holds no task")
         self.service.admission.admit([group_from_template(self.template, task_id)])
+        pin = self.template.get("pin_version")
+        if pin is not None:
+            # Held for the sampler's life, not only while one of its groups runs: between two groups
+            # the version would otherwise be free to unload, or its room under --max-loras taken by
+            # another pin, and the sample would stop half done.
+            self._pinned = self.service.replicas.versions.pin(pin)
 
     def fill(self) -> None:
         """Start groups while there is room, budget and a task to draw."""
@@ -356,6 +364,9 @@ class Sampler:
         running: dict[asyncio.Future, int] = {task: self.n for task in self.running}
         self.running.clear()
         self.service.admission.cancel_in_background(running)
+        if self._pinned is not None:  # its groups still running hold their own pins until they end
+            self.service.replicas.versions.unpin(self._pinned)
+            self._pinned = None
         return len(running)
 
     def budget_spent(self) -> bool:

@@ -48,6 +48,9 @@ async def sample(body: SampleRequest, request: Request) -> Response:
         service.config.stream_stall_timeout,
         "POST /groups/sample",
         request=request,
+        # Also when the answer ends before its first line (the generator's `finally` never ran): the
+        # sampler's pin is released.
+        on_end=sampler.close,
     )
 
 

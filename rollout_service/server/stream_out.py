@@ -73,7 +73,7 @@ class BoundedStream(StreamingResponse):
         stall_timeout_s: float,
         what: str,
         request: Request | None = None,
-        on_end: Callable[[], None] | None = None,
+        on_end: Callable[[], object] | None = None,
     ) -> None:
         super().__init__(content, media_type="application/x-ndjson")
         self.iterator = content
