@@ -203,6 +203,38 @@ def test_bad_sample_requests_are_told_why(start_refenv, start_service, start_scr
     assert env_health(env.url)["episodes"]["started"] == 0
 
 
+def test_a_family_served_only_on_the_eval_side_is_a_409_saying_so(start_refenv, start_service, start_scripted_model):
+    """Two envs split by family: a training sample naming a family that only the eval-side env serves is
+    409 eval_side, saying the family is there on the eval side (not a 404 as if it did not exist); with
+    allow_eval_side it is drawn; a family no env serves is still 404. Oracle: each env's own GET /tasks
+    (which families it serves). Break tried (old code): unknown families all 404 unknown_family ->
+    the eval family's answer is 404."""
+    model = start_scripted_model("answer")
+    train = start_refenv("--pool", "2", "--split", "auto:0.8", "--side", "train")
+    held_out = start_refenv("--pool", "2", "--split", "auto:0.8", "--side", "eval")
+    service = start_service([train.url, held_out.url], vllm=model.url, model="scripted").url
+
+    def families(url: str) -> set[str]:
+        return {t["family"] for t in httpx.get(f"{url}/tasks", timeout=10).json()["tasks"]}
+
+    eval_only = sorted(families(held_out.url) - families(train.url))
+    assert eval_only, "the split left no family to the eval side alone: nothing to test"
+    family = eval_only[0]
+    body = {"count": 1, "filter": "none", "tasks": {"families": {family: 1}}, "group": {"n": 2, "sampling": SCRIPTED}}
+    refused = httpx.post(f"{service}/groups/sample", json=body, timeout=30)
+    assert refused.status_code == 409 and refused.json()["error"] == "eval_side", refused.text
+    message = refused.json()["message"]
+    assert family in message and "eval-side" in message and "allow_eval_side" in message, message
+    assert env_health(held_out.url)["episodes"]["started"] == 0
+    allowed = {**body, "group": {**body["group"], "allow_eval_side": True}}
+    kept, _, summary = sample(service, allowed)
+    assert len(kept) == 1 and kept[0]["task_id"] in {
+        t["task_id"] for t in httpx.get(f"{held_out.url}/tasks", timeout=10).json()["tasks"] if t["family"] == family
+    }, kept
+    unknown = httpx.post(f"{service}/groups/sample", json={**body, "tasks": {"families": {"no-such": 1}}}, timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"] == "unknown_family", unknown.text
+
+
 def test_bad_sample_requests_with_huge_names_are_422_and_the_answer_stays_small(start_refenv, start_service):
     """A task id, family or env URL of 3 MB (under --max-body-bytes) is the request's mistake: 422 with a
     short answer, never a 500 or the name echoed back whole; an unknown name under the cap is cut short

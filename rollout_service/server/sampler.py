@@ -136,6 +136,18 @@ def draw_buckets(service: RolloutService, draw: TaskDraw, template: dict) -> lis
             if info.family and eligible(task_id):
                 by_family.setdefault(info.family, []).append(task_id)
         unknown = [f for f in draw.families if f not in by_family]
+        eval_only = {
+            info.family
+            for task_id, info in service.envs.task_info.items()
+            if info.family in unknown and task_id in service.envs.targets
+        }
+        if eval_only:  # it exists, on the held-out side only: the request's choice to make, not a typo
+            names = ", ".join(short_text(f, 80) for f in sorted(eval_only)[:5])
+            raise Conflict(
+                "eval_side",
+                f"family {names} is served only by eval-side envs: training on it leaks the held-out set. "
+                "Set the template's allow_eval_side: true if you mean to",
+            )
         if unknown:
             known = ", ".join(sorted(by_family)[:20]) or "none"
             side = "" if allow_eval else " on the training side"
