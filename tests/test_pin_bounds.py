@@ -16,7 +16,7 @@ from rollout_service.server.policy import PolicyManager, PolicyVersion
 def _manager(max_loras: int) -> PolicyManager:
     client = SimpleNamespace(endpoints=[], on_failure=None)
     manager = PolicyManager(client, "m", weights=None, metrics=Metrics())  # type: ignore[arg-type]
-    manager.max_loras = max_loras
+    manager.book.max_loras = max_loras
     return manager
 
 
@@ -27,9 +27,7 @@ def _serve(manager: PolicyManager, label: str, kind: str = "lora") -> PolicyVers
     version = PolicyVersion(
         label, step, kind, f"m@{label}" if kind == "lora" else "m", "/x", beneath if kind == "lora" else None
     )
-    manager.current = version
-    manager._steps[label] = step
-    manager._known[label] = version
+    manager.book.adopt(version)
     return version
 
 

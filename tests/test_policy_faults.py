@@ -549,7 +549,7 @@ def test_asking_again_renews_the_lease_and_an_update_ends_it():
         for r in (fleet[0], fleet[1]):
             r.weights = "pushed-v1"
         await pm.update(PolicyUpdate(version="v1"))
-        assert fleet.paused == [False, False] and pm._lease is None
+        assert fleet.paused == [False, False] and pm.pause_lease.task is None
         assert await turn(chat, pm, "g") == ("v1", "pushed-v1")
         await pm.close()
 

@@ -65,7 +65,7 @@ class RolloutService:
         self.task_stats = TaskStatsBook(self.replicas.versions, self.metrics)
         self.admission.on_result = self.task_stats.record
         self.samplers = SamplerStreams(self)
-        self.replicas.versions.max_loras = config.max_loras  # how many pinned versions' adapters may stay loaded
+        self.replicas.versions.book.max_loras = config.max_loras  # how many pinned versions' adapters may stay loaded
 
     async def start(self, say: Callable[[str], None] = log.info) -> None:
         """Wait for every env and model server to answer, then check that they fit together.
