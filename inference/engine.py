@@ -2,13 +2,24 @@
 OpenAI-compatible server that does it over HTTP.
 
 `Engine` is the interface: a test double or another engine's server (SGLang's OpenAI server, say)
-implements these four calls and the replica pool (inference/replicas.py) routes over it unchanged.
-Each call raises an InferenceError subclass (inference/errors.py) when it gets no usable answer.
+implements these calls, and the replica pool (inference/replicas.py) and the policy manager
+(rollout_service/server/policy.py) use it unchanged. The generation calls raise an InferenceError
+subclass (inference/errors.py) when they get no usable answer; the calls that change what the
+server serves (adapters, weights, pause) raise WeightUpdateError.
+
+vLLM's routes for the latter (0.32, CPU build checked here):
+- adapters: `POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`; needs `--enable-lora` and
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` on the server;
+- full weights: `POST /pause?mode=keep`, `POST /collective_rpc {"method": "reload_weights"}`,
+  `POST /reset_prefix_cache` (KV cached under the old weights must not serve the new ones),
+  `POST /update_weight_version`, `GET /weight_info`, `POST /weight_checker`, `POST /resume`; these
+  need the server's dev mode (`VLLM_SERVER_DEV_MODE=1`).
 """
 
 from __future__ import annotations
 
 import time
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -24,6 +35,7 @@ from .errors import (
     InferenceServerError,
     InferenceTimeout,
     InferenceUnreachable,
+    WeightUpdateError,
     error_text,
 )
 from .transport import (
@@ -64,15 +76,61 @@ class Engine(Protocol):
         """`messages` as the chat template renders them, or plain `text` without special tokens."""
         ...
 
+    # -- what it serves, changed (each raises WeightUpdateError) --------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` as model `name` (replacing one of that name)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def pause(self) -> None:
+        """Freeze generation, keeping requests in flight: they go on after resume (on new weights)."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def reload_weights(self, path: str) -> None:
+        """Replace the full weights by the checkpoint at `path`, in place."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop the KV cached under the weights just replaced (requests in flight recomputed)."""
+        ...
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """A digest per weight tensor: whether a reload changed anything."""
+        ...
+
+    async def set_weight_version(self, label: str) -> None:
+        """Label the weights served (read back by weight_version, kept until the server restarts)."""
+        ...
+
+    async def weight_version(self) -> str | None:
+        """The weights' label; a restarted server says 'default'."""
+        ...
+
 
 class VllmServer:
     """vLLM's OpenAI-compatible server at `url` (a base without /v1), over a transport shared with the
     other servers of its pool. `token_ids`: ask chat completions for token ids and logprobs (vLLM's
-    extensions; false for another OpenAI-compatible server)."""
+    extensions; false for another OpenAI-compatible server). `update_timeout_s`: the deadline of an
+    adapter load or a weight reload (a large checkpoint takes minutes); the connect timeout stays short."""
 
-    def __init__(self, url: str, http: HttpTransport, *, api_key: str | None = None, token_ids: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        http: HttpTransport,
+        *,
+        api_key: str | None = None,
+        token_ids: bool = True,
+        update_timeout_s: float = 600.0,
+    ) -> None:
         self.url = url
         self.token_ids = token_ids
+        self.update_timeout_s = update_timeout_s
         self._http = http
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -175,6 +233,100 @@ class VllmServer:
                 raise ContextOverflow(detail, response.status)
             raise InferenceRejected(detail, response.status)
         return response
+
+    # -- what it serves, changed ----------------------------------------------------------------
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        # load_inplace: a name left loaded by an earlier service on the same server is replaced.
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
+        await self._admin("load adapter", "POST", "/v1/load_lora_adapter", json=body)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._admin("unload adapter", "POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    async def pause(self) -> None:
+        await self._admin("pause", "POST", "/pause", params={"mode": "keep"}, timeout=60.0)
+
+    async def resume(self) -> None:
+        await self._admin("resume", "POST", "/resume", timeout=60.0)
+
+    async def is_paused(self) -> bool:
+        data = await self._admin_json("read pause state", "GET", "/is_paused", timeout=10.0)
+        return bool(data.get("is_paused"))
+
+    async def reload_weights(self, path: str) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        await self._admin("reload weights", "POST", "/collective_rpc", json=body)
+
+    async def reset_prefix_cache(self) -> None:
+        """vLLM keys its prefix cache by tokens (and adapter), not by weights: without this, turns on
+        new weights reuse prompts' KV computed by the old ones (seen here: logprobs off by 0.18 nats
+        on average). Requests in flight are preempted and recomputed on the new weights."""
+        data = await self._admin_json(
+            "reset prefix cache", "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+        )
+        if data.get("success") is not True:
+            raise WeightUpdateError(self.url, "reset prefix cache", f"the server did not reset it: {data}")
+
+    async def weight_checksums(self) -> dict[str, str]:
+        data = await self._admin_json("checksum weights", "POST", "/weight_checker", json={"action": "checksum"})
+        return dict(data.get("checksums") or {})
+
+    async def set_weight_version(self, label: str) -> None:
+        await self._admin("set weight version", "POST", "/update_weight_version", json={"new_version": label})
+
+    async def weight_version(self) -> str | None:
+        data = await self._admin_json("read weight version", "GET", "/weight_info", timeout=10.0)
+        label = data.get("weight_version")
+        return None if label is None else str(label)
+
+    async def _admin(
+        self,
+        action: str,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, str] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-request deadline, passed to the transport
+    ) -> HttpAnswer:
+        """A 2xx answer to a call that changes what the server serves, or the WeightUpdateError that
+        says why not (a route not served: which of vLLM's switches it needs)."""
+        target = f"{self.url}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        try:
+            response = await self._http.request(
+                method, target, json=json, headers=self._headers, timeout=timeout or self.update_timeout_s
+            )
+        except (AnswerTooLarge, EncodedAnswer) as exc:
+            # It answered: what it sent was refused unread, which says nothing of whether it is up.
+            raise WeightUpdateError(self.url, action, f"its answer was refused: {exc}") from None
+        except AddressRefused as exc:
+            raise WeightUpdateError(self.url, action, f"not connected to: {exc}") from None
+        except TransportError as exc:
+            raise WeightUpdateError(self.url, action, f"unreachable: {exc}") from None
+        if response.status == 404 and "Not Found" in response.text[:100]:
+            raise WeightUpdateError(
+                self.url,
+                action,
+                f"{path} is not served: adapters need vLLM started with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; pause and full weights need VLLM_SERVER_DEV_MODE=1",
+                404,
+            )
+        if response.status >= 400:
+            raise WeightUpdateError(self.url, action, error_text(response), response.status)
+        return response
+
+    async def _admin_json(self, action: str, method: str, path: str, **kwargs: Any) -> dict:
+        response = await self._admin(action, method, path, **kwargs)
+        try:
+            data = response.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise WeightUpdateError(
+                self.url, action, f"answered something that is not a JSON object: {response.text[:200]}"
+            )
+        return data
 
 
 def _transport_failure(exc: TransportError, url: str, path: str) -> InferenceError:

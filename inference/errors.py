@@ -73,6 +73,21 @@ class BadInferenceResponse(InferenceError):
     kind = "bad_response"
 
 
+class WeightUpdateError(Exception):
+    """A model server did not change what it serves as asked (an adapter, its weights, a pause);
+    `status` is its HTTP status where it answered. `refused` (4xx) means it judged the request wrong
+    (a bad path), not that it is unwell."""
+
+    def __init__(self, url: str, action: str, detail: str, status: int | None = None) -> None:
+        self.url, self.action, self.status = url, action, status
+        self.detail = detail[:MAX_DETAIL_CHARS]
+        super().__init__(f"{action} on {url}: {self.detail}")
+
+    @property
+    def refused(self) -> bool:
+        return self.status is not None and 400 <= self.status < 500
+
+
 # A 4xx whose words say the prompt did not fit the model's context window.
 CONTEXT_OVERFLOW = re.compile(r"maximum context length|context length|context window|too many tokens", re.I)
 

@@ -59,13 +59,15 @@ class ReplicaPool:
         max_requests_per_second: float | None = None,
         token_ids: bool = True,
         max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+        update_timeout_s: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
         engine: Callable[[str], Engine] | None = None,
         address_policy: AddressPolicy | None = None,
     ) -> None:
         """`transport`: an httpx transport standing in for the servers (tests); otherwise the service's
         own stack, connecting where `address_policy` allows. `engine`: what speaks to the replica at a
-        URL; vLLM's server (VllmServer) unless given."""
+        URL; vLLM's server (VllmServer) unless given. `update_timeout_s`: the deadline of an adapter load
+        or weight reload (VllmServer)."""
         if not urls:
             raise ValueError("at least one model server URL is needed")
         self.api_key = api_key
@@ -74,7 +76,9 @@ class ReplicaPool:
             timeout_s, transport, max_answer_bytes=max_answer_bytes, address_policy=address_policy
         )
         self._make_engine = engine or (
-            lambda url: VllmServer(url, self._http, api_key=self.api_key, token_ids=self.token_ids)
+            lambda url: VllmServer(
+                url, self._http, api_key=self.api_key, token_ids=self.token_ids, update_timeout_s=update_timeout_s
+            )
         )
         self.endpoints = [self.new_endpoint(u) for u in urls]
         self._pins: dict[str, Endpoint] = {}
@@ -185,7 +189,7 @@ class ReplicaPool:
     async def list_models(self, endpoint: Endpoint) -> list[str]:
         """The models a replica serves. Raises InferenceUnreachable (no answer), InferenceServerError
         (5xx), InferenceRejected (4xx; its `status` says which) or ValueError (not a model list)."""
-        return await _engine(endpoint).models()
+        return await engine_of(endpoint).models()
 
     async def chat(
         self,
@@ -297,7 +301,7 @@ class ReplicaPool:
                 endpoint.outstanding -= 1  # counted again below before anything else can run
         endpoint.outstanding += 1
         try:
-            result = await call(_engine(endpoint))
+            result = await call(engine_of(endpoint))
         except (InferenceTimeout, InferenceUnreachable, InferenceServerError) as exc:
             endpoint.failures += 1
             endpoint.last_error = f"{exc.status}: {exc.detail}" if exc.status else f"{exc.kind}: {exc.detail}"
@@ -317,7 +321,8 @@ def _answered(endpoint: Endpoint) -> None:
     endpoint.failures, endpoint.last_error, endpoint.last_ok = 0, None, time.time()
 
 
-def _engine(endpoint: Endpoint) -> Engine:
+def engine_of(endpoint: Endpoint) -> Engine:
+    """The calls of the replica at `endpoint` (set when its pool made it)."""
     assert endpoint.engine is not None, "endpoints are made by their pool's new_endpoint"
     return endpoint.engine
 

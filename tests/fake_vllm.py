@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 
 from inference.replicas import ReplicaPool
-from inference.weights import WeightsClient
 from rollout_service.server.metrics import Metrics
 from rollout_service.server.policy import PolicyManager
 
@@ -164,16 +163,12 @@ class Fleet:
     async def chat_client(self) -> ReplicaPool:
         return ReplicaPool(list(self.replicas), timeout_s=30.0, token_ids=False, transport=self.transport())
 
-    async def weights_client(self) -> WeightsClient:
-        weights = WeightsClient(transport=self.transport())
-        return weights
-
 
 async def make_manager(n: int = 2, fleet: Fleet | None = None) -> tuple[Fleet, ReplicaPool, PolicyManager]:
     """A started PolicyManager over a fake fleet (a new one unless given)."""
     fleet = fleet or Fleet(n)
     chat = await fleet.chat_client()
-    manager = PolicyManager(chat, BASE, await fleet.weights_client(), Metrics())
+    manager = PolicyManager(chat, BASE, Metrics())
     await manager.start()
     return fleet, chat, manager
 

@@ -15,7 +15,7 @@ from rollout_service.server.policy import PolicyManager, PolicyVersion
 
 def _manager(max_loras: int) -> PolicyManager:
     client = SimpleNamespace(endpoints=[], on_failure=None)
-    manager = PolicyManager(client, "m", weights=None, metrics=Metrics())  # type: ignore[arg-type]
+    manager = PolicyManager(client, "m", metrics=Metrics())  # type: ignore[arg-type]
     manager.book.max_loras = max_loras
     return manager
 

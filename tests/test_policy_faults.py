@@ -393,7 +393,7 @@ def test_r14_a_lora_update_before_a_restore_puts_the_adapter_on_the_right_full_w
 
 def test_r13_close_during_a_full_weight_update_leaves_nothing_paused(tmp_path):
     async def go():
-        fleet, _, pm = await make_manager(2)
+        fleet, chat, pm = await make_manager(2)
         for replica in fleet.replicas.values():
             replica.reload_delay = 0.3
         v1 = checkpoint(tmp_path, "v1")
@@ -401,7 +401,7 @@ def test_r13_close_during_a_full_weight_update_leaves_nothing_paused(tmp_path):
         update = asyncio.ensure_future(asyncio.shield(pm.update(PolicyUpdate(version="v1", weights={"path": v1}))))
         assert await until(lambda: fleet.paused == [True, True])  # the reload is under way
         await pm.close()  # what RolloutService.close does
-        await pm.weights.aclose()
+        await chat.aclose()  # the pool the replicas' engines speak through
         result = await update  # no unhandled exception
         assert isinstance(result, PolicyUpdateResult)
         assert fleet.paused == [False, False]
@@ -456,7 +456,7 @@ def test_r15_a_replica_found_restarted_after_a_stop_gets_no_restore(tmp_path, st
             await pm.close()
         else:
             svc = RolloutService(ServiceConfig(env=["http://a:1"], vllm=["http://r0"], model=BASE))
-            await svc.replicas.versions.weights.aclose()
+            await svc.replicas.policy.client.aclose()
             svc.replicas.versions = pm
             svc.cancel_running()
         await pm.reconcile(ep1, await chat.list_models(ep1))
@@ -464,7 +464,7 @@ def test_r15_a_replica_found_restarted_after_a_stop_gets_no_restore(tmp_path, st
         assert not pm._tasks and len(r1.calls("/collective_rpc")) == reloads and r1.label == "default"
         assert not pm._restoring  # nothing marked as being restored that no task will ever clear
         await pm.close()
-        await pm.weights.aclose()
+        await chat.aclose()
 
     run(go())
 
@@ -474,14 +474,14 @@ def test_r15_a_turn_ending_after_close_starts_no_adapter_unload(tmp_path):
     service), rather than an unload task started that nothing will wait for."""
 
     async def go():
-        _, _, pm = await make_manager(1)
+        _, chat, pm = await make_manager(1)
         await pm.update(PolicyUpdate(version="a1", lora={"path": adapter(tmp_path, "a1")}))
         lease = await pm.lease()
         await pm.update(PolicyUpdate(version="a2", lora={"path": adapter(tmp_path, "a2")}))  # a1 still in flight
         await pm.close()
         pm.release(lease)  # the last a1 turn: an unload of a1 would be spawned here
         assert not pm._tasks
-        await pm.weights.aclose()
+        await chat.aclose()
 
     run(go())
 
@@ -506,7 +506,7 @@ def test_r17_close_lets_a_restore_under_way_finish_its_reload(tmp_path):
         await pm.close()
         assert (r1.weights, r1.label) == (path, label), (r1.weights, r1.label)
         assert not pm._tasks and not pm._restoring
-        await pm.weights.aclose()
+        await chat.aclose()
 
     run(go())
 

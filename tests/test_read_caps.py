@@ -14,10 +14,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from inference.errors import BadInferenceResponse, InferenceAnswerTooLarge
-from inference.replicas import ReplicaPool
+from inference.errors import BadInferenceResponse, InferenceAnswerTooLarge, WeightUpdateError
+from inference.replicas import ReplicaPool, engine_of
 from inference.transport import AiohttpTransport, AnswerTooLarge, EncodedAnswer, TransportTimeout
-from inference.weights import WeightsClient, WeightUpdateError
 from rollout_service.server.config import ServiceConfig
 from rollout_service.server.env_client import BadEnvAnswer, EnvAnswerTooLarge, EnvClient
 
@@ -139,7 +138,7 @@ def test_env_model_server_and_admin_answers_past_the_cap_fail_with_their_own_kin
         async with _hostile() as (server, url):
             env = EnvClient(f"{url}/x-huge-length", max_answer_bytes=CAP)
             pool = ReplicaPool([f"{url}/x-huge-chunked"], max_answer_bytes=CAP, timeout_s=60.0)
-            weights = WeightsClient(max_answer_bytes=CAP)
+            admin = ReplicaPool([f"{url}/x-huge-close"], max_answer_bytes=CAP, timeout_s=60.0)
             try:
                 with pytest.raises(EnvAnswerTooLarge) as env_failure:
                     await env.step("e1", "a completion", 10, 2)
@@ -150,12 +149,12 @@ def test_env_model_server_and_admin_answers_past_the_cap_fail_with_their_own_kin
                     await pool.complete(model="m", prompt_token_ids=[1, 2], sampling={"max_tokens": 4})
                 assert model_failure.value.kind == "inference_answer_too_large"
                 with pytest.raises(WeightUpdateError, match="longer than"):
-                    await weights.version(f"{url}/x-huge-close")
+                    await engine_of(admin.endpoints[0]).weight_version()
                 assert _cut_off(server)
             finally:
                 await env.aclose()
                 await pool.aclose()
-                await weights.aclose()
+                await admin.aclose()
 
     asyncio.run(go())
 
@@ -194,7 +193,7 @@ def test_a_gzip_bomb_under_the_cap_on_the_wire_is_refused_not_unpacked():
     encoding: the answer is not unpacked (RSS does not grow by hundreds of MB), and the env and the
     model server fail as a bad answer, and a weight call says its answer was refused (not that the
     server is unreachable). Breaks tried: the session unpacking (auto_decompress on, no
-    Accept-Encoding) -> the 300 MB body came back whole, fails; WeightsClient reading EncodedAnswer as
+    Accept-Encoding) -> the 300 MB body came back whole, fails; VllmServer's weight calls reading EncodedAnswer as
     any other TransportError -> "unreachable: the answer is encoded", fails."""
     bomb = _gzip_bomb(300 << 20)
     assert len(bomb) < CAP  # under the cap as sent: only what it unpacks to is huge
@@ -225,7 +224,6 @@ def test_a_gzip_bomb_under_the_cap_on_the_wire_is_refused_not_unpacked():
         transport = AiohttpTransport(timeout_s=60.0, max_answer_bytes=CAP)
         env = EnvClient(url, max_answer_bytes=CAP)
         pool = ReplicaPool([url], max_answer_bytes=CAP, timeout_s=60.0)
-        weights = WeightsClient(max_answer_bytes=CAP)
         before = _rss_bytes()
         try:
             with pytest.raises(EncodedAnswer):
@@ -236,7 +234,7 @@ def test_a_gzip_bomb_under_the_cap_on_the_wire_is_refused_not_unpacked():
             with pytest.raises(BadInferenceResponse):
                 await pool.complete(model="m", prompt_token_ids=[1, 2], sampling={"max_tokens": 4})
             with pytest.raises(WeightUpdateError) as refused:
-                await weights.version(url)
+                await engine_of(pool.endpoints[0]).weight_version()
             assert "refused" in refused.value.detail and "unreachable" not in refused.value.detail, refused.value
             assert _rss_bytes() - before < 100 << 20
             assert asked and all(a == "identity" for a in asked), asked  # the oracle: what the server was asked
@@ -244,7 +242,6 @@ def test_a_gzip_bomb_under_the_cap_on_the_wire_is_refused_not_unpacked():
             await transport.aclose()
             await env.aclose()
             await pool.aclose()
-            await weights.aclose()
             server.close()
 
     asyncio.run(go())

@@ -14,16 +14,15 @@ import asyncio
 import logging
 import time
 
-from inference.errors import InferenceError
-from inference.replicas import Endpoint, ReplicaPool
-from inference.weights import WeightsClient, WeightUpdateError
+from inference.errors import InferenceError, WeightUpdateError
+from inference.replicas import Endpoint, ReplicaPool, engine_of
 
 from ..protocol import PolicyState, PolicyUpdate, PolicyUpdateResult, ReplicaState, ReplicaUpdate
 from .checkpoints import check_checkpoint
 from .errors import BackendFailed, Conflict, Invalid, StartupError
 from .metrics import Metrics
 from .policy_apply import ReplicaUpdater
-from .policy_calls import describe, is_paused, read_label
+from .policy_calls import describe, is_paused, listed_models, read_label
 from .policy_pause import PauseLease
 from .policy_versions import DEFAULT_WEIGHTS, RELOADING, PolicyVersion, TurnLease, VersionBook, weights_match
 
@@ -37,19 +36,17 @@ class PolicyManager:
         self,
         client: ReplicaPool,
         base_model: str,
-        weights: WeightsClient,
         metrics: Metrics,
         checkpoint_root: str | None = None,
     ) -> None:
         self.client = client
         self.checkpoint_root = checkpoint_root
         self.base_model = base_model
-        self.weights = weights
         self.metrics = metrics
         self._lock = asyncio.Lock()
         self.book = VersionBook(base_model, [e.url for e in client.endpoints])
-        self.pause_lease = PauseLease(client, weights, self.book, self._lock)
-        self.updater = ReplicaUpdater(client, weights, self.book, self.pause_lease)
+        self.pause_lease = PauseLease(client, self.book, self._lock)
+        self.updater = ReplicaUpdater(client, self.book, self.pause_lease)
         self._restoring: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
@@ -80,13 +77,13 @@ class PolicyManager:
         labels: dict[str, str | None] = {}
         for endpoint in self.client.endpoints:
             try:
-                labels[endpoint.url] = await self.weights.version(endpoint.url)
+                labels[endpoint.url] = await engine_of(endpoint).weight_version()
             except WeightUpdateError:
                 labels[endpoint.url] = None  # not in dev mode: nobody can have relabelled its weights
         for endpoint in self.client.endpoints:
-            if await is_paused(self.weights, endpoint.url):  # an earlier service stopped while holding it
+            if await is_paused(engine_of(endpoint)):  # an earlier service stopped while holding it
                 log.warning("policy replica %s was left paused: resuming it", endpoint.url)
-                await self.pause_lease.resume([endpoint.url])
+                await self.pause_lease.resume([endpoint])
         broken = [url for url, label in labels.items() if label and label.startswith(RELOADING)]
         if broken:
             raise StartupError(f"policy replicas {broken} were left half-way through a reload: restart them")
@@ -211,7 +208,7 @@ class PolicyManager:
                 # monitor has read its label (see RELOADING) and, if need be, reloaded it.
                 for outcome in outcomes:
                     if not outcome.ok and not outcome.unchanged:
-                        self.client.exclude(self._endpoint(outcome.url), f"reload failed: {outcome.error}")
+                        self.client.exclude(outcome.endpoint, f"reload failed: {outcome.error}")
             if not took:
                 refusal = Invalid if all(o.refused for o in outcomes) else BackendFailed
                 kept = (
@@ -226,7 +223,7 @@ class PolicyManager:
                 )
             self.book.adopt(version)
             for outcome in outcomes:
-                endpoint = self._endpoint(outcome.url)
+                endpoint = outcome.endpoint
                 if outcome.url in still_paused:
                     continue  # still paused: the monitor resumes it before it is routed
                 if outcome.ok:
@@ -283,10 +280,10 @@ class PolicyManager:
             return  # removed while it was probed
         current = self.current
         try:
-            ok = await self._serves(endpoint.url, current, models)
+            ok = await self._serves(endpoint, current, models)
             if not ok and current.kind == "lora":
                 # The list may predate a restore that has just finished: ask again before acting.
-                ok = await self._serves(endpoint.url, current, await self.weights.models(endpoint.url))
+                ok = await self._serves(endpoint, current, await listed_models(engine_of(endpoint)))
         except WeightUpdateError as exc:
             self.client.exclude(endpoint, f"cannot tell which weights it serves: {exc.detail}")
             return
@@ -307,12 +304,12 @@ class PolicyManager:
         self._restoring.add(endpoint.url)
         self._spawn(self._restore(endpoint, current))
 
-    async def _serves(self, url: str, version: PolicyVersion, models: list[str]) -> bool:
-        if url in self.pause_lease.still_paused:
+    async def _serves(self, endpoint: Endpoint, version: PolicyVersion, models: list[str]) -> bool:
+        if endpoint.url in self.pause_lease.still_paused:
             return False
         if version.kind == "lora" and version.served_model not in models:
             return False
-        return weights_match(await read_label(self.weights, url), version.weights_label)
+        return weights_match(await read_label(engine_of(endpoint)), version.weights_label)
 
     async def _restore(self, endpoint: Endpoint, version: PolicyVersion) -> None:
         """Bring a replica to `version`: its full weights first where they differ, then its adapter."""
@@ -320,7 +317,7 @@ class PolicyManager:
         try:
             async with self._lock:  # never alongside an update: one of the two would undo the other
                 if version is self.current and not self.paused:
-                    await self.updater.bring_to(url, version)
+                    await self.updater.bring_to(endpoint, version)
                     self.serving[url] = version.label
                     self.client.exclude(endpoint, None)
                     log.info("replica %s brought back to version %s", url, version.label)
@@ -370,9 +367,6 @@ class PolicyManager:
             replicas=[replica_state(e, self.serving.get(e.url)) for e in self.client.endpoints],
             recent_updates=list(self.book.history),
         )
-
-    def _endpoint(self, url: str) -> Endpoint:
-        return next(e for e in self.client.endpoints if e.url == url)
 
     def _spawn(self, coro) -> None:
         if self._closing:

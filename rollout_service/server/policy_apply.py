@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from inference.replicas import ReplicaPool
-from inference.weights import WeightsClient, WeightUpdateError
+from inference.engine import Engine
+from inference.errors import WeightUpdateError
+from inference.replicas import Endpoint, ReplicaPool, engine_of
 
-from .policy_calls import Outcome, Unchanged, failed, read_checksums, read_label, timed
+from .policy_calls import Outcome, Unchanged, failed, listed_models, read_checksums, read_label, timed
 from .policy_pause import PauseLease
 from .policy_versions import RELOADING, PolicyVersion, VersionBook, weights_match
 
@@ -22,9 +23,10 @@ log = logging.getLogger("rollout_service.policy")
 
 
 class ReplicaUpdater:
-    def __init__(self, client: ReplicaPool, weights: WeightsClient, book: VersionBook, pause: PauseLease) -> None:
+    """Each call asks the replicas' engines (inference/engine.py), never a server's URL."""
+
+    def __init__(self, client: ReplicaPool, book: VersionBook, pause: PauseLease) -> None:
         self.client = client
-        self.weights = weights
         self.book = book
         self.pause = pause
 
@@ -38,9 +40,9 @@ class ReplicaUpdater:
         return list(
             await asyncio.gather(
                 *(
-                    timed(e.url, self.bring_to(e.url, version))
+                    timed(e, self.bring_to(e, version))
                     if self.book.serving.get(e.url) is None or e.excluded is not None
-                    else timed(e.url, self._load_over_checked_weights(e.url, version))
+                    else timed(e, self._load_over_checked_weights(engine_of(e), version))
                     for e in self.client.endpoints
                 )
             )
@@ -49,15 +51,15 @@ class ReplicaUpdater:
     async def reload_everywhere(self, version: PolicyVersion) -> list[Outcome]:
         """Pause every replica, reload, check that the weights changed, label them, resume."""
         endpoints = self.client.endpoints
-        before = await asyncio.gather(*(read_checksums(self.weights, e.url) for e in endpoints))
-        paused = await asyncio.gather(*(timed(e.url, self.weights.pause(e.url)) for e in endpoints))
+        before = await asyncio.gather(*(read_checksums(engine_of(e)) for e in endpoints))
+        paused = await asyncio.gather(*(timed(e, engine_of(e).pause()) for e in endpoints))
         self.pause.stop_turns()
         outcomes: list[Outcome] = []
         try:
             jobs = []
             for endpoint, pause, sums in zip(endpoints, paused, before, strict=True):
                 if pause.ok:
-                    jobs.append(timed(endpoint.url, self._reload_one(endpoint.url, version, sums)))
+                    jobs.append(timed(endpoint, self._reload_one(engine_of(endpoint), version, sums)))
                 else:
                     jobs.append(failed(pause))
             outcomes = list(await asyncio.gather(*jobs))
@@ -66,91 +68,95 @@ class ReplicaUpdater:
                 # failed reload, perhaps on none), and say so.
                 self.book.weights_epoch += 1
         finally:
-            await self.pause.resume([o.url for o in paused if o.ok] + (self.pause.held if self.pause.paused else []))
+            await self.pause.resume(
+                [o.endpoint for o in paused if o.ok] + (self.pause.held if self.pause.paused else [])
+            )
         return outcomes
 
     async def finish_push(self, version: PolicyVersion) -> list[Outcome]:
         """The trainer pushed weights into the paused replicas: label them, then resume. A replica
         the pause did not hold (out of routing then) got nothing it can be trusted with."""
-        held = set(self.pause.held)
+        held = list(self.pause.held)
+        held_urls = {e.url for e in held}
         outcomes = list(
             await asyncio.gather(
                 *(
-                    timed(e.url, self._label_pushed(e.url, version.label))
-                    if e.url in held
-                    else failed(Outcome(e.url, False, 0.0, "not paused with the others during the push"))
+                    timed(e, self._label_pushed(engine_of(e), version.label))
+                    if e.url in held_urls
+                    else failed(Outcome(e, False, 0.0, "not paused with the others during the push"))
                     for e in self.client.endpoints
                 )
             )
         )
         if any(o.ok for o in outcomes):
             self.book.weights_epoch += 1
-        await self.pause.resume(list(held))
+        await self.pause.resume(held)
         return outcomes
 
-    async def bring_to(self, url: str, version: PolicyVersion) -> None:
+    async def bring_to(self, endpoint: Endpoint, version: PolicyVersion) -> None:
         """Full weights first where they differ from those `version` stands on, then its adapter."""
-        if url in self.pause.still_paused:
-            await self.weights.resume(url)
-            self.pause.still_paused.discard(url)
+        engine = engine_of(endpoint)
+        if endpoint.url in self.pause.still_paused:
+            await engine.resume()
+            self.pause.still_paused.discard(endpoint.url)
         beneath = version.weights if version.kind == "lora" else version
-        label = await read_label(self.weights, url)
+        label = await read_label(engine)
         wanted = version.weights_label
         if not weights_match(label, wanted):
             if beneath is None or beneath.kind == "base" or beneath.path is None:
                 raise WeightUpdateError(
-                    url,
+                    endpoint.url,
                     "restore",
                     f"it serves weights labelled {label!r}, and the service cannot restore "
                     f"{wanted or 'the base checkpoint'} (weights the trainer pushed, or those it started "
                     "with): restart it on them, or update the policy",
                 )
-            await self._reload_labelled(url, beneath)
+            await self._reload_labelled(engine, beneath)
         if version.kind == "lora":
-            await self._load_and_check(url, version)
+            await self._load_and_check(engine, version)
 
     async def unload(self, name: str) -> None:
         self.book.unloaded.add(name)
         for endpoint in self.client.endpoints:
             try:
-                await self.weights.unload_adapter(endpoint.url, name)
+                await engine_of(endpoint).unload_adapter(name)
             except WeightUpdateError as exc:
                 log.info("could not unload adapter %s: %s", name, exc)
 
-    async def _load_over_checked_weights(self, url: str, version: PolicyVersion) -> None:
-        label = await read_label(self.weights, url)
+    async def _load_over_checked_weights(self, engine: Engine, version: PolicyVersion) -> None:
+        label = await read_label(engine)
         if not weights_match(label, version.weights_label):
             raise WeightUpdateError(
-                url,
+                engine.url,
                 "load adapter",
                 f"it serves weights labelled {label!r}, not {version.weights_label or 'the base checkpoint'} "
                 "beneath the adapter (restarted?): out of routing until it is brought there",
             )
-        await self._load_and_check(url, version)
+        await self._load_and_check(engine, version)
 
-    async def _load_and_check(self, url: str, version: PolicyVersion) -> None:
+    async def _load_and_check(self, engine: Engine, version: PolicyVersion) -> None:
         assert version.path is not None
-        await self.weights.load_adapter(url, version.served_model, version.path)
-        models = await self.weights.models(url)
+        await engine.load_adapter(version.served_model, version.path)
+        models = await listed_models(engine)
         if version.served_model not in models:
-            raise WeightUpdateError(url, "load adapter", f"loaded, but /v1/models lists {models}")
+            raise WeightUpdateError(engine.url, "load adapter", f"loaded, but /v1/models lists {models}")
 
-    async def _reload_one(self, url: str, version: PolicyVersion, before: dict[str, str] | None) -> None:
-        label_before = await read_label(self.weights, url)
-        await self._reload_labelled(url, version)
-        if before is not None and await read_checksums(self.weights, url) == before:
-            await self.weights.set_version(url, label_before or "default")  # nothing changed: nor does its label
-            raise Unchanged(url, "reload weights", f"the weights at {version.path} are the ones already served")
+    async def _reload_one(self, engine: Engine, version: PolicyVersion, before: dict[str, str] | None) -> None:
+        label_before = await read_label(engine)
+        await self._reload_labelled(engine, version)
+        if before is not None and await read_checksums(engine) == before:
+            await engine.set_weight_version(label_before or "default")  # nothing changed: nor does its label
+            raise Unchanged(engine.url, "reload weights", f"the weights at {version.path} are the ones already served")
 
-    async def _reload_labelled(self, url: str, version: PolicyVersion) -> None:
+    async def _reload_labelled(self, engine: Engine, version: PolicyVersion) -> None:
         """Reload `version`'s checkpoint, labelled RELOADING until it is done: a reload that fails
         half-way leaves the replica saying so, and the monitor keeps it out of routing."""
         assert version.path is not None
-        await self.weights.set_version(url, f"{RELOADING}{version.label}")
-        await self.weights.reload_weights(url, version.path)
-        await self.weights.reset_prefix_cache(url)
-        await self.weights.set_version(url, version.label)
+        await engine.set_weight_version(f"{RELOADING}{version.label}")
+        await engine.reload_weights(version.path)
+        await engine.reset_prefix_cache()
+        await engine.set_weight_version(version.label)
 
-    async def _label_pushed(self, url: str, label: str) -> None:
-        await self.weights.reset_prefix_cache(url)  # its cached KV came from the weights before the push
-        await self.weights.set_version(url, label)
+    async def _label_pushed(self, engine: Engine, label: str) -> None:
+        await engine.reset_prefix_cache()  # its cached KV came from the weights before the push
+        await engine.set_weight_version(label)

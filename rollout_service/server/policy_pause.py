@@ -11,8 +11,8 @@ import asyncio
 import logging
 import time
 
-from inference.replicas import Endpoint, ReplicaPool
-from inference.weights import WeightsClient, WeightUpdateError
+from inference.errors import WeightUpdateError
+from inference.replicas import Endpoint, ReplicaPool, engine_of
 
 from .errors import BackendFailed, Conflict
 from .policy_calls import describe, read_label, timed
@@ -26,16 +26,15 @@ class PauseLease:
 
     `lock` is the policy manager's: a pause, its lease running out and an update never interleave."""
 
-    def __init__(self, client: ReplicaPool, weights: WeightsClient, book: VersionBook, lock: asyncio.Lock) -> None:
+    def __init__(self, client: ReplicaPool, book: VersionBook, lock: asyncio.Lock) -> None:
         self.client = client
-        self.weights = weights
         self.book = book
         self.lock = lock
         self.paused = False  # held by the trainer until its POST /policy or the lease ends
         self.paused_since: float | None = None
         self.deadline = 0.0  # monotonic: when the trainer's pause lease runs out
         self.task: asyncio.Task | None = None  # the lease's watch
-        self.held: list[str] = []  # the replicas the trainer's pause holds
+        self.held: list[Endpoint] = []  # the replicas the trainer's pause holds
         self.still_paused: set[str] = set()  # paused by this service and not resumed
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -60,14 +59,14 @@ class PauseLease:
             return
         # A replica out of routing serves no turn; it is checked before it is routed again.
         endpoints = self.client.routable() or self.client.endpoints
-        outcomes = await asyncio.gather(*(timed(e.url, self.weights.pause(e.url)) for e in endpoints))
+        outcomes = await asyncio.gather(*(timed(e, engine_of(e).pause()) for e in endpoints))
         failed = [o for o in outcomes if not o.ok]
         if failed:
-            await self.resume([o.url for o in outcomes if o.ok])
+            await self.resume([o.endpoint for o in outcomes if o.ok])
             kind = Conflict if all(o.refused for o in failed) else BackendFailed
             raise kind("pause_failed", describe(failed, "could not pause"))
         self.paused, self.paused_since = True, time.time()
-        self.held = [e.url for e in endpoints]
+        self.held = list(endpoints)
         self._unpaused.clear()
         self.deadline = time.monotonic() + timeout_s
         self.task = asyncio.create_task(self._watch(), name="pause-lease")
@@ -95,19 +94,19 @@ class PauseLease:
         stays paused and out of routing, the reason in /health/detail, until it is brought back to the
         current version (the monitor tries: a checkpoint the service knows is reloaded) or removed."""
         wanted = self.book.current.weights_label
-        urls = list(dict.fromkeys(self.held))
+        endpoints = _distinct(self.held)
 
-        async def label(url: str) -> str | None | WeightUpdateError:
+        async def label(endpoint: Endpoint) -> str | None | WeightUpdateError:
             try:
-                return await read_label(self.weights, url)
+                return await read_label(engine_of(endpoint))
             except WeightUpdateError as exc:
                 return exc
 
-        labels = await asyncio.gather(*(label(url) for url in urls))
+        labels = await asyncio.gather(*(label(e) for e in endpoints))
         resume = []
-        for url, found in zip(urls, labels, strict=True):
+        for endpoint, found in zip(endpoints, labels, strict=True):
             if not isinstance(found, WeightUpdateError) and weights_match(found, wanted):
-                resume.append(url)
+                resume.append(endpoint)
                 continue
             shown = f"could not be read ({found.detail})" if isinstance(found, WeightUpdateError) else repr(found)
             reason = (
@@ -115,28 +114,33 @@ class PauseLease:
                 f"as before the pause (weights pushed without a POST /policy): kept paused and out of routing "
                 f"until it serves {self.book.current.label}"
             )
-            log.warning("policy replica %s: %s", url, reason)
-            self.still_paused.add(url)  # resumed before any restore
-            self.book.serving[url] = None
-            self.client.exclude(self._endpoint(url), reason)
+            log.warning("policy replica %s: %s", endpoint.url, reason)
+            self.still_paused.add(endpoint.url)  # resumed before any restore
+            self.book.serving[endpoint.url] = None
+            self.client.exclude(endpoint, reason)
         log.warning("the trainer's pause lease ran out without a POST /policy: resuming %d replica(s)", len(resume))
         await self.resume(resume)
 
-    async def resume(self, urls: list[str]) -> None:
+    async def resume(self, endpoints: list[Endpoint]) -> None:
         """Resume the replicas this service paused, and let turns start again. One that does not
         resume stays out of routing (a turn sent there would hang) until the monitor resumes it."""
-        results = await asyncio.gather(*(timed(url, self.weights.resume(url)) for url in dict.fromkeys(urls)))
+        results = await asyncio.gather(*(timed(e, engine_of(e).resume()) for e in _distinct(endpoints)))
         for outcome in results:
             if outcome.ok:
                 self.still_paused.discard(outcome.url)
             else:
                 self.still_paused.add(outcome.url)
-                self.client.exclude(self._endpoint(outcome.url), f"could not be resumed: {outcome.error}")
+                self.client.exclude(outcome.endpoint, f"could not be resumed: {outcome.error}")
         self.paused, self.paused_since, self.held = False, None, []
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
         self.task = None
         self._unpaused.set()
 
-    def _endpoint(self, url: str) -> Endpoint:
-        return next(e for e in self.client.endpoints if e.url == url)
+
+def _distinct(endpoints: list[Endpoint]) -> list[Endpoint]:
+    """Each replica once, in order (a replica held by the trainer's pause and paused for a reload too)."""
+    first: dict[str, Endpoint] = {}
+    for endpoint in endpoints:
+        first.setdefault(endpoint.url, endpoint)
+    return list(first.values())

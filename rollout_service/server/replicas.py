@@ -10,7 +10,6 @@ from typing import Any
 
 from inference.errors import InferenceError
 from inference.replicas import Endpoint, ReplicaPool
-from inference.weights import WeightsClient
 
 from ..protocol import ReplicaAdd, ReplicaRef, ReplicaRemove, ReplicaState
 from .backend_address import AllowedBackends
@@ -32,6 +31,7 @@ def _replica_pool(urls: list[str], config: ServiceConfig, allowed: AllowedBacken
         max_requests_per_second=config.max_requests_per_second,
         max_answer_bytes=config.max_answer_bytes,
         address_policy=allowed,
+        update_timeout_s=config.update_timeout,
         **kwargs,
     )
 
@@ -41,15 +41,7 @@ class ReplicaRegistry:
         self.lifecycle = lifecycle
         self.allowed = allowed  # what POST /replicas may reach
         self.policy = ModelRoute(config.model, _replica_pool(config.vllm, config, allowed))
-        self.versions = PolicyManager(
-            self.policy.client,
-            self.policy.request_model,
-            WeightsClient(
-                timeout_s=config.update_timeout, max_answer_bytes=config.max_answer_bytes, address_policy=allowed
-            ),
-            metrics,
-            config.checkpoint_root,
-        )
+        self.versions = PolicyManager(self.policy.client, self.policy.request_model, metrics, config.checkpoint_root)
         self.support: ModelRoute | None = None
         if config.support_model:
             self.support = ModelRoute(
@@ -102,7 +94,6 @@ class ReplicaRegistry:
 
     async def aclose(self) -> None:
         await self.versions.close()
-        await self.versions.weights.aclose()
         for _, route in self.model_routes():
             await route.client.aclose()
 
