@@ -39,7 +39,7 @@ from inference import embedded_model
 from rollout_service.protocol import GRADED_STATUSES, Attempt, GroupResult
 from rollout_service.server.config import ServiceConfig
 from rollout_service.tools.measure import run_measure
-from rollout_service.tools.stack import LocalStack, free_port
+from rollout_service.tools.stack import LocalStack, refenv_command
 from rollout_service.trainer import RolloutClient, token_batch
 from rollout_service.trainer.export import ExportOptions, export_sft
 
@@ -114,23 +114,14 @@ class TrainStack(LocalStack):
     """vLLM, refenv's train side, its eval side, the oracle teacher and the service (with a run log)."""
 
     def __init__(self, out: Path, vllm: str | None) -> None:
-        self.teacher_port, self.eval_port = free_port(), free_port()
+        self.teacher_port: int | None = None  # each bound by its server, read back as it starts
+        self.eval_port: int | None = None
         self.runs_dir = out / "runs"
         super().__init__(
             log_dir=out / "logs",
             pool=8,
             vllm_url=vllm,
             refenv_args=["--split", "auto:0.8", "--side", "train"],
-            service_args=[
-                "--model-endpoint",
-                f"teacher=http://127.0.0.1:{self.teacher_port},token-ids=false,model=oracle-teacher",
-                "--runs-dir",
-                str(self.runs_dir),
-                "--run-id",
-                "train",
-                "--policy-stage",
-                "executor",
-            ],
             say=say,
         )
 
@@ -139,32 +130,22 @@ class TrainStack(LocalStack):
         return f"http://127.0.0.1:{self.eval_port}"
 
     def start(self) -> None:
-        self.vllm_port, self.refenv_port, self.service_port = free_port(), free_port(), free_port()
         if self.vllm_url is None:
             self.start_vllm()
-        teacher = self._spawn(
-            "teacher", [sys.executable, "-m", "refenv.cli", "teacher", "--listen", f"127.0.0.1:{self.teacher_port}"]
-        )
-        teacher.wait_http(f"http://127.0.0.1:{self.teacher_port}/v1/models", timeout_s=60)
-        evaluation = self._spawn(
-            "refenv-eval",
-            [
-                sys.executable,
-                "-m",
-                "refenv.cli",
-                "serve",
-                "--step",
-                "--pool",
-                "8",
-                "--split",
-                "auto:0.8",
-                "--side",
-                "eval",
-                "--listen",
-                f"127.0.0.1:{self.eval_port}",
-            ],
-        )
-        evaluation.wait_http(f"{self.eval_url}/health", timeout_s=60)
+        teacher = [sys.executable, "-m", "refenv.cli", "teacher", "--listen", "127.0.0.1:0"]
+        self.teacher_port = self.spawn_listening("teacher", teacher, "/v1/models")
+        evaluation = refenv_command(0, "--pool", "8", "--split", "auto:0.8", "--side", "eval")
+        self.eval_port = self.spawn_listening("refenv-eval", evaluation)
+        self.service_args = [
+            "--model-endpoint",
+            f"teacher=http://127.0.0.1:{self.teacher_port},token-ids=false,model=oracle-teacher",
+            "--runs-dir",
+            str(self.runs_dir),
+            "--run-id",
+            "train",
+            "--policy-stage",
+            "executor",
+        ]
         self.start_refenv()
         self.start_service()
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from pathlib import Path
 
 from rollout_service.flags import add_flags, parse_listen, settings_from
 
@@ -47,8 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "teacher":
         return _teacher(args)
-    import uvicorn
-
     from .server import create_app
 
     try:
@@ -63,14 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         f"listening on http://{settings.listen}",
         flush=True,
     )
-    host, port = parse_listen(settings.listen)
-    uvicorn.run(app, host=host, port=port, log_level=settings.log_level, timeout_graceful_shutdown=5)
-    return 0
+    return _run(app, settings.listen, settings.port_file, settings.log_level)
 
 
 def _teacher(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .teacher import create_app
 
     try:
@@ -85,9 +81,21 @@ def _teacher(args: argparse.Namespace) -> int:
         f"{len(app.state.oracle.tasks)} tasks, listening on http://{settings.listen}",
         flush=True,
     )
-    host, port = parse_listen(settings.listen)
-    uvicorn.run(app, host=host, port=port, log_level=settings.log_level, timeout_graceful_shutdown=5)
-    return 0
+    return _run(app, settings.listen, settings.port_file, settings.log_level)
+
+
+def _run(app, listen: str, port_file: str | None, log_level: str) -> int:
+    """Serve until stopped, as uvicorn.run does (exit status 3: it never started listening)."""
+    import uvicorn
+
+    from rollout_service.listening import ReportingServer
+
+    host, port = parse_listen(listen)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = ReportingServer(config, Path(port_file) if port_file else None)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else 3
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollout_service.flags import Flag, ListenAddress
+from rollout_service.flags import PORT_FILE_HELP, Flag, ListenAddress, PortFile
 
 from .grading import PROFILES
 from .tasks import Split, Task, build_suite, parse_split
@@ -63,7 +63,8 @@ class TaskSuite(BaseModel):
 class Settings(TaskSuite):
     """What `refenv serve` runs with (the task-suite settings first, from `TaskSuite`)."""
 
-    listen: ListenAddress = Field("127.0.0.1:8090", description="where to listen")
+    listen: ListenAddress = Field("127.0.0.1:8090", description="where to listen; port 0: one the system picks")
+    port_file: PortFile = Field(None, description=PORT_FILE_HELP)
     pool: int = Field(2, ge=1, description="worlds, i.e. episodes held at once")
     step: bool = Field(False, description="step mode: park every model call for the driver")
     step_timeout: Annotated[float, Flag(metavar="DURATION", default_text="5m")] = Field(
@@ -144,6 +145,7 @@ class TeacherSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    listen: ListenAddress = Field("127.0.0.1:8093", description="where to listen")
+    listen: ListenAddress = Field("127.0.0.1:8093", description="where to listen; port 0: one the system picks")
+    port_file: PortFile = Field(None, description=PORT_FILE_HELP)
     name: str = Field("oracle-teacher", min_length=1, description="the model name it serves (in /v1/models)")
     log_level: Annotated[str, Flag(env=False)] = Field("warning", description="uvicorn log level")

@@ -41,9 +41,10 @@ class SettingsError(ValueError):
 
 
 def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT` (a setting's value) as (host, port); an empty host means loopback."""
+    """`HOST:PORT` (a setting's value) as (host, port); an empty host means loopback, port 0 a port
+    the system picks as the server binds it (written to --port-file)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host or "127.0.0.1", int(port)
 
@@ -55,6 +56,13 @@ def _valid_listen(text: str) -> str:
 
 # A `HOST:PORT` setting, checked when the settings are read.
 ListenAddress = Annotated[str, AfterValidator(_valid_listen), Flag(metavar="HOST:PORT")]
+
+# Where a server writes the port it listens on, once it does (rollout_service/listening.py).
+PortFile = Annotated[str | None, Flag(metavar="PATH")]
+PORT_FILE_HELP = (
+    "once listening, write the port to PATH (one line, replaced in one rename): with --listen HOST:0 the "
+    "system picks the port, and a launcher reads it here"
+)
 
 
 def flag_name(field: str) -> str:

@@ -24,7 +24,9 @@ from helpers import assert_env_accounted, wait_until
 from inference import embedded_model
 from rollout_service.tools.stack import (
     ManagedProcess,
+    StackError,
     free_port,
+    fresh_port_file,
     launch_embedded_vllm,
     refenv_command,
     service_command,
@@ -70,6 +72,8 @@ def pytest_configure_node(node) -> None:
         info: dict = {"lock": str(root / "vllm.lock"), "url": None, "pid": None, "log": None}
         proc = None
         if not given:
+            # Started here and waited for by the workers (shared_vllm.wait_ready), so not picked again if
+            # another process takes the port first: that run's workers then report vLLM down.
             port = free_port()
             log = root / "logs" / "vllm.log"
             # Computing on every core but one (one of two here), in its engine process. Every core made
@@ -157,15 +161,14 @@ def vllm_url(logs_dir, request) -> Iterator[str]:
         shared_vllm.wait_ready(shared["url"], shared["pid"], shared["log"], model=MODEL)
         yield shared["url"]
         return
-    port = free_port()
     proc = start_embedded_vllm(
-        port,
+        None,  # a free port, picked again if lost (vLLM cannot report a port it bound)
         logs_dir / "vllm.log",
         kv_cache_gib=3,
         progress=lambda s: print(f"[tests] vLLM still starting... {s:.0f}s", file=sys.stderr),
     )
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{proc.port}"
     finally:
         proc.stop()
 
@@ -173,16 +176,35 @@ def vllm_url(logs_dir, request) -> Iterator[str]:
 @pytest.fixture
 def launch(logs_dir, request):
     """launch(kind, port, cmd, env=None, wait=True) -> Running; stopped after the test, last started first
-    (a service before its env, so it can abandon its episodes while the env is up)."""
+    (a service before its env, so it can abandon its episodes while the env is up).
+
+    `port` None: `cmd` is a server of ours listening on port 0 (refenv, the service, the scripted model);
+    it is given `--port-file` and its URL is the port it bound. With `wait=False` a server that exits
+    before listening (a test of a refusal at start) gets the URL of port 0, where nothing listens."""
     started: list[ManagedProcess] = []
 
     def start(
-        kind: str, port: int, cmd: list[str], env: dict | None = None, wait: bool = True, ready_path: str = "/health"
+        kind: str,
+        port: int | None,
+        cmd: list[str],
+        env: dict | None = None,
+        wait: bool = True,
+        ready_path: str = "/health",
     ) -> Running:
         name = f"{kind}-{request.node.name[:40]}-{len(started)}"
+        port_file = fresh_port_file(logs_dir, name) if port is None else None
+        if port_file is not None:
+            cmd = [*cmd, "--port-file", str(port_file)]
         proc = ManagedProcess(name, cmd, logs_dir / f"{name}.log", env)
         started.append(proc)
         proc.start()
+        if port_file is not None:
+            try:
+                port = proc.wait_port(port_file, timeout_s=60)
+            except StackError:
+                if wait or proc.alive():
+                    raise
+                port = 0
         url = f"http://127.0.0.1:{port}"
         if wait:
             proc.wait_http(f"{url}{ready_path}", timeout_s=60)
@@ -198,8 +220,7 @@ def start_refenv(launch):
     """start_refenv('--pool', '2', ..., step=True, port=None) -> Running; stopped after the test."""
 
     def start(*flags: str, step: bool = True, port: int | None = None) -> Running:
-        port = port or free_port()
-        return launch("refenv", port, refenv_command(port, *flags, step=step))
+        return launch("refenv", port, refenv_command(port or 0, *flags, step=step))
 
     return start
 
@@ -223,10 +244,9 @@ def start_service(launch, request):
         model: str = MODEL,
     ) -> Running:
         env_urls.extend(u.rstrip("/") for u in envs if u.rstrip("/") not in env_urls)
-        port = free_port()
         vllm = vllm or request.getfixturevalue("vllm_url")
-        cmd = service_command(port, envs, vllm, *flags, model=model)
-        return launch("service", port, cmd, {**os.environ, **(env or {})}, wait)
+        cmd = service_command(0, envs, vllm, *flags, model=model)
+        return launch("service", None, cmd, {**os.environ, **(env or {})}, wait)
 
     yield start
     may_wait = request.node.get_closest_marker("env_may_wait") is not None
@@ -279,8 +299,7 @@ def start_scripted_model(launch):
     that answers badly on purpose (see its docstring); it serves the model name "scripted"."""
 
     def start(script: str, *flags: str, port: int | None = None) -> Running:
-        port = port or free_port()
-        cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", str(port), "--script", script, *flags]
+        cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", str(port or 0), "--script", script, *flags]
         return launch("model", port, cmd, ready_path="/v1/models")
 
     return start

@@ -89,11 +89,13 @@ def prompt_ids(attempt: dict, turn: int = 0) -> list[int]:
 
 
 def unclaimed_ports(count: int = 1) -> int:
-    """A base port with `count` free ports from it, for a piece that listens there later (a test that
-    starts a service before its env, or restarts a process on its port). Below Linux's ephemeral range
-    (32768-60999): free_port()'s bind(0), in this worker or another, could be handed a port chosen
-    there before its piece binds it (a service once found another test's model server where its env
-    was to start, and failed)."""
+    """A base port with `count` free ports from it, for a piece that must listen on a port known before it
+    starts (a service started before its env, a process restarted on its port). A piece of ours started
+    now binds port 0 itself and reports the port it got (`launch` with port None: --port-file), which no
+    other process can take. These are below Linux's ephemeral range (32768-60999), where the kernel picks
+    for every bind(0) and outgoing connection: a port found free there may be handed to another process
+    before the piece binds it (a service once found another test's model server where its env was to
+    start, and failed)."""
     for _ in range(200):
         base = random.randrange(20000, 30000 - count + 1)  # Ray's workers take 30000 and up (test_cluster)
         if not any(port_in_use(base + i) for i in range(count)):

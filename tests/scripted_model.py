@@ -74,12 +74,15 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+
+from rollout_service.listening import ReportingServer
 
 ANSWER = json.dumps({"action": "answer", "input": "1"})
 SQL = json.dumps({"action": "sql", "input": "SELECT 1"})
@@ -235,7 +238,8 @@ def build(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="0: one the system picks (see --port-file)")
+    parser.add_argument("--port-file", help="once listening, write the port here (as the service and refenv do)")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--script", required=True, choices=SCRIPTS)
     parser.add_argument("--name", default="scripted", help="served model name")
@@ -252,7 +256,8 @@ def main() -> None:
         listing_delay=args.listing_delay,
         load_delay=args.load_delay,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    ReportingServer(config, Path(args.port_file) if args.port_file else None).run()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from helpers import cli, wait_until
 from starlette.testclient import TestClient
 
 from inference.transport import system_lookup
-from rollout_service.tools.stack import free_port, refenv_command
+from rollout_service.listening import read_port_file
+from rollout_service.tools.stack import refenv_command
 from rollout_service.trainer.client import RequestRejected, RolloutClient
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
@@ -193,12 +194,11 @@ def _serve(*flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     )
 
 
-def test_off_loopback_without_keys_the_service_refuses_to_start_unless_told_insecure(start_refenv, vllm_url):
+def test_off_loopback_without_keys_the_service_refuses_to_start_unless_told_insecure(start_refenv, vllm_url, tmp_path):
     """Breaks tried: no check (today's code) -> `--listen 0.0.0.0` starts open; loopback_listen()
     answering True -> the same."""
     env = start_refenv("--pool", "2")
-    port = free_port()
-    base = ["--env", env.url, "--vllm", vllm_url, "--listen", f"0.0.0.0:{port}"]
+    base = ["--env", env.url, "--vllm", vllm_url, "--listen", "0.0.0.0:0"]
     refused = cli("serve", "--model", "m", *base, timeout=60)
     assert refused.returncode == 2, (refused.returncode, refused.stderr)
     assert "--api-key-env" in refused.stderr and "--admin-key-env" in refused.stderr, refused.stderr
@@ -212,9 +212,11 @@ def test_off_loopback_without_keys_the_service_refuses_to_start_unless_told_inse
     half = cli("serve", "--model", "m", *base, "--admin-key-env", "K", env={**os.environ, "K": "k"}, timeout=60)
     assert half.returncode == 2 and "data plane has no key" in half.stderr, half.stderr
 
-    proc = _serve(*base, "--insecure-no-auth", "--model", "smollm2-135m-instruct")
+    port_file = tmp_path / "service.port"
+    proc = _serve(*base, "--insecure-no-auth", "--model", "smollm2-135m-instruct", "--port-file", str(port_file))
     try:
-        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: read_port_file(port_file) is not None, timeout_s=60), proc.poll()
+        url = f"http://127.0.0.1:{read_port_file(port_file)}"
         assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, timeout_s=120)
         warnings = httpx.get(f"{url}/health/detail", timeout=10).json()["warnings"]
         assert any("--insecure-no-auth" in w and "data and admin plane" in w for w in warnings), warnings
@@ -314,10 +316,9 @@ def test_a_backends_refusal_names_no_value_it_sent_and_an_endless_model_list_is_
 
 
 def _refenv_at(launch, host: str):
-    port = free_port()
-    cmd = [*refenv_command(port, "--pool", "2"), "--listen", f"{host}:{port}"]  # the last --listen counts
-    running = launch("refenv", port, cmd, wait=False)
-    running.url = f"http://{host}:{port}"
+    cmd = [*refenv_command(0, "--pool", "2"), "--listen", f"{host}:0"]  # the last --listen counts
+    running = launch("refenv", None, cmd, wait=False)
+    running.url = running.url.replace("127.0.0.1", host)
     assert wait_until(lambda: httpx.get(f"{running.url}/health", timeout=5).status_code == 200, timeout_s=60)
     return running
 
@@ -332,9 +333,8 @@ def test_allow_backends_bounds_what_membership_may_reach_by_resolved_address(lau
     port = hostile_url.rsplit(":", 1)[1]
     env = _refenv_at(launch, "127.0.0.2")
     second = _refenv_at(launch, "127.0.0.2")
-    model_port = free_port()
-    launch("model", model_port, scripted_model.command(model_port, "answer", "--host", "127.0.0.2"), wait=False)
-    model_url = f"http://127.0.0.2:{model_port}"
+    model = launch("model", None, scripted_model.command(0, "answer", "--host", "127.0.0.2"), wait=False)
+    model_url = model.url.replace("127.0.0.1", "127.0.0.2")
     assert wait_until(lambda: httpx.get(f"{model_url}/v1/models", timeout=5).status_code == 200, timeout_s=60)
     service = start_service([env.url], "--allow-backends", "127.0.0.2", vllm=model_url, model="scripted")
 

@@ -12,8 +12,6 @@ import schemathesis
 from conftest import SCRIPTED_MODEL
 from hypothesis import HealthCheck
 
-from rollout_service.tools.stack import free_port
-
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 
 
@@ -71,9 +69,8 @@ def test_fuzzed_policy_updates_never_get_a_server_error(start_refenv, start_serv
     stand-in: it speaks vLLM's adapter routes, answers 404 for a folder that does not exist, and
     has no dev mode, so pausing is refused as a real vLLM without it refuses it)."""
     env = start_refenv("--pool", "2")
-    port = free_port()
-    cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", str(port), "--script", "answer"]
-    model = launch("model", port, cmd, ready_path="/v1/models")
+    cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", "0", "--script", "answer"]
+    model = launch("model", None, cmd, ready_path="/v1/models")
     service = start_service([env.url], vllm=model.url, model="scripted")
     assert fuzz(service.url, lambda path: path.startswith("/policy")) > 50
     state = httpx.get(f"{service.url}/policy").json()

@@ -23,10 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_vllm import adapter
-from helpers import assert_accounted, wait_until
+from helpers import assert_accounted, unclaimed_ports, wait_until
 from scripted_model import command as scripted_command
-
-from rollout_service.tools.stack import free_port
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 16}
 ADAPTER = "scripted@v1"  # the name the service gives version v1's adapter: <model>@<version>
@@ -77,7 +75,7 @@ class Stack:
 
     def __init__(self, launch, start_refenv, start_service, tmp_path) -> None:
         self.launch = launch
-        self.port = free_port()
+        self.port = unclaimed_ports()  # the replica restarts on it
         self.env = start_refenv("--pool", "2")
         self.model = self.start_model()
         # A turn waits for a routable replica up to the inference timeout: short, so that a replica

@@ -15,20 +15,17 @@ import sys
 import httpx
 import pytest
 
-from rollout_service.tools.stack import free_port
-
 NAME = "oracle-teacher"
 SQL = lambda q: json.dumps({"action": "sql", "input": q})
 
 
 @pytest.fixture
 def start_teacher(launch):
-    """start_teacher(*flags) -> Running: `refenv teacher` on a free port; stopped after the test."""
+    """start_teacher(*flags) -> Running: `refenv teacher` on a port it binds; stopped after the test."""
 
     def start(*flags: str):
-        port = free_port()
-        cmd = [sys.executable, "-m", "refenv.cli", "teacher", "--listen", f"127.0.0.1:{port}", *flags]
-        return launch("teacher", port, cmd, ready_path="/v1/models")
+        cmd = [sys.executable, "-m", "refenv.cli", "teacher", "--listen", "127.0.0.1:0", *flags]
+        return launch("teacher", None, cmd, ready_path="/v1/models")
 
     return start
 

@@ -14,9 +14,9 @@ import time
 
 import httpx
 import pytest
-from helpers import assert_accounted, cli, wait_until
+from helpers import assert_accounted, cli, unclaimed_ports, wait_until
 
-from rollout_service.tools.stack import ManagedProcess, free_port, start_embedded_vllm
+from rollout_service.tools.stack import ManagedProcess, start_embedded_vllm
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 
@@ -43,7 +43,7 @@ class Background:
 
 
 def test_env_killed_mid_group_and_restarted(start_refenv, start_service):
-    port = free_port()
+    port = unclaimed_ports()  # the env restarts on it
     env = start_refenv("--pool", "4", "--latency-ms", "1500", port=port)
     service = start_service([env.url])
     running = Background(service.url, {"task_id": "t005", "n": 4, "retries": 1, "sampling": SAMPLING})
@@ -109,8 +109,7 @@ def test_inference_deadline_marks_inference_failure(start_refenv, start_service,
     a 0.5 s deadline, so a loaded machine does not decide it."""
     from scripted_model import command
 
-    port = free_port()
-    model = launch("model", port, command(port, "answer", "--delay", "10"), ready_path="/v1/models")
+    model = launch("model", None, command(0, "answer", "--delay", "10"), ready_path="/v1/models")
     env = start_refenv("--pool", "2")
     service = start_service([env.url], "--inference-timeout", "0.5", vllm=model.url, model="scripted")
     sent = time.monotonic()
@@ -133,7 +132,7 @@ def test_inference_deadline_marks_inference_failure(start_refenv, start_service,
 @pytest.fixture
 def own_vllm(logs_dir):
     """A second vLLM server for this test alone, so killing it leaves the session's alone."""
-    port = free_port()
+    port = unclaimed_ports()  # known before it starts, and it restarts on it
     procs: list[ManagedProcess] = []
 
     def start() -> ManagedProcess:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import assert_env_accounted, cli, unclaimed_ports
+from helpers import assert_env_accounted, cli
 
 from rollout_service.runs import read_groups, valid_run_id
-from rollout_service.tools.stack import ManagedProcess, free_port, refenv_command, service_command
+from rollout_service.tools.stack import ManagedProcess, refenv_command, service_command
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 SCRIPTED_MODEL = Path(__file__).with_name("scripted_model.py")
@@ -47,43 +47,55 @@ REWARDS: list[list] = [
 @pytest.fixture(scope="module")
 def served_groups(tmp_path_factory, logs_dir) -> list[dict]:
     """Four groups of n=4 as the service's run log recorded them (see the module's docstring)."""
-    runs = tmp_path_factory.mktemp("served") / "runs"
-    model_port = unclaimed_ports(3)  # the three start in turn: none may be taken meanwhile
-    env_port, service_port = model_port + 1, model_port + 2
+    folder = tmp_path_factory.mktemp("served")
+    runs = folder / "runs"
+    ports = {name: folder / f"{name}.port" for name in ("model", "env", "service")}  # each binds its own
     procs = [
         ManagedProcess(
             "model-runs-export",
-            [sys.executable, str(SCRIPTED_MODEL), "--port", str(model_port), "--script", "answer"],
+            [
+                sys.executable,
+                str(SCRIPTED_MODEL),
+                "--port",
+                "0",
+                "--script",
+                "answer",
+                "--port-file",
+                str(ports["model"]),
+            ],
             logs_dir / "model-runs-export.log",
         ),
         ManagedProcess(
             "refenv-runs-export",
-            refenv_command(env_port, "--pool", "4", "--responder"),
+            refenv_command(0, "--pool", "4", "--responder", "--port-file", str(ports["env"])),
             logs_dir / "refenv-runs-export.log",
         ),
     ]
-    env_url, service_url = f"http://127.0.0.1:{env_port}", f"http://127.0.0.1:{service_port}"
     try:
-        for proc, ready in zip(procs, (f"http://127.0.0.1:{model_port}/v1/models", f"{env_url}/health"), strict=True):
+        urls = []
+        for proc, name, ready in zip(procs, ("model", "env"), ("/v1/models", "/health"), strict=True):
             proc.start()
-            proc.wait_http(ready, timeout_s=60)
+            urls.append(proc.wait_listening(ports[name], ready))
+        model_url, env_url = urls
         service = ManagedProcess(
             "service-runs-export",
             service_command(
-                service_port,
+                0,
                 [env_url],
-                f"http://127.0.0.1:{model_port}",
+                model_url,
                 "--runs-dir",
                 str(runs),
                 "--run-id",
                 "served",
+                "--port-file",
+                str(ports["service"]),
                 model="scripted",
             ),
             logs_dir / "service-runs-export.log",
         )
         procs.append(service)
         service.start()
-        service.wait_http(f"{service_url}/health", timeout_s=60)
+        service_url = service.wait_listening(ports["service"])
         answers = [
             httpx.post(f"{service_url}/groups", timeout=60, json={"task_id": t, "n": 4, "sampling": SAMPLING}).json()
             for t in TASKS
@@ -399,7 +411,7 @@ def test_serve_takes_a_valid_run_id_past_the_check(tmp_path):
     done = cli(
         "serve", "--env", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9", "--model", "m",
         "--runs-dir", str(tmp_path / "runs"), "--run-id", "distil-1",
-        "--startup-timeout", "1", "--listen", f"127.0.0.1:{free_port()}",
+        "--startup-timeout", "1", "--listen", "127.0.0.1:0",
     )  # fmt: skip
     assert done.returncode == 1 and "cannot start" in done.stderr and "--run-id" not in done.stderr, done.stderr
 

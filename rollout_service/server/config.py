@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from inference.transport import DEFAULT_MAX_ANSWER_BYTES
 
-from ..flags import Flag, ListenAddress
+from ..flags import PORT_FILE_HELP, Flag, ListenAddress, PortFile
 from ..protocol import http_url
 from ..runs import valid_run_id
 
@@ -74,7 +74,10 @@ class ServiceConfig(BaseModel):
         default_factory=list, description="model servers for non-policy stages"
     )
     support_model: str | None = Field(None, description="model for non-policy stages; none: the policy answers them")
-    listen: ListenAddress = Field("127.0.0.1:8080", description="where to listen; loopback unless you say otherwise")
+    listen: ListenAddress = Field(
+        "127.0.0.1:8080", description="where to listen; loopback unless you say otherwise; port 0: one the system picks"
+    )
+    port_file: PortFile = Field(None, description=PORT_FILE_HELP)
     api_key_env: Annotated[str | None, Flag(metavar="VAR")] = Field(
         None,
         description="the data plane's key (trainers): require `Authorization: Bearer $VAR` on /groups, /tasks, "

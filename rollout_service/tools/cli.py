@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import uvicorn
 from pydantic import ValidationError
 
 from ..flags import add_flags, parse_listen, settings_from
+from ..listening import ReportingServer
 from ..protocol import GroupRequest
 from ..server.config import ENV_PREFIX, ServiceConfig
 
@@ -60,7 +60,8 @@ def _serve(args: argparse.Namespace) -> int:
             log_config=None,  # uvicorn's loggers go through the root handler: one format for all
             access_log=config.log_level == "debug",  # a line per request costs CPU at the ceiling
             timeout_graceful_shutdown=20,
-        )
+        ),
+        Path(config.port_file) if config.port_file else None,
     )
     # The service listens at once and waits for its envs and model servers (saying which, up to
     # --startup-timeout); if it gives up, or finds a misconfiguration, the server stops here.
@@ -75,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-class _Server(uvicorn.Server):
+class _Server(ReportingServer):
     """uvicorn's server, made to abandon running groups as soon as SIGTERM/SIGINT arrives
     rather than wait for groups that may run for minutes."""
 
@@ -128,9 +129,9 @@ def _vllm(args: argparse.Namespace) -> int:
 
 def _add_up(sub) -> None:
     p = sub.add_parser("up", help="start vLLM, refenv (pool 8) and the service; keep them up until Ctrl-C")
-    p.add_argument("--vllm-port", type=int, default=8000)
-    p.add_argument("--env-port", type=int, default=8090)
-    p.add_argument("--port", type=int, default=8080, help="the service's port (default 8080)")
+    p.add_argument("--vllm-port", type=int, default=8000, help="vLLM's port (default 8000; 0: a free one)")
+    p.add_argument("--env-port", type=int, default=8090, help="refenv's port (default 8090; 0: one it binds)")
+    p.add_argument("--port", type=int, default=8080, help="the service's port (default 8080; 0: one it binds)")
     p.add_argument("--pool", type=int, default=8)
     p.add_argument("--vllm", default=None, metavar="URL", help="use this running model server instead")
     p.add_argument("--logs", type=Path, default=Path("results/logs"), help="log folder (default results/logs)")

