@@ -27,7 +27,7 @@ from .errors import Conflict, Invalid, NotFound, RequestRefused
 from .stream_out import HeldResults
 
 if TYPE_CHECKING:
-    from .policy import PolicyVersion
+    from .policy_versions import PolicyVersion
     from .service import RolloutService
 
 # Refusals after which the sampler stops: the service itself cannot run groups now.
