@@ -2,7 +2,8 @@
 
 A record says what was run (`command`), on which code (`commit`), on what (`machine`), when
 (`date`) and what came out (`figures`: `rows`, a list of flat objects, and optionally `columns`, the
-keys to show and their order, and `notes`). bench/render.py turns the records into the tables of
+keys to show and their order, `notes`, and `tables`: more tables of another shape, each a `title`
+with its own `rows` and optional `columns`). bench/render.py turns the records into the tables of
 the benchmarks page, so a figure and its provenance are kept together and the prose carries
 neither dates nor commits. Standard library only.
 """

@@ -69,6 +69,8 @@ def render_record(record: dict[str, Any]) -> str:
     if figures.get("notes"):
         parts += [figures["notes"], ""]
     parts += [table(figures), ""]
+    for extra in figures.get("tables", []):  # a record may carry more tables of another shape, each titled
+        parts += [f"**{extra['title']}**", "", table(extra), ""]
     return "\n".join(parts)
 
 

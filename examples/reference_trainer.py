@@ -9,7 +9,12 @@ in three stages, each through the service, with the policy measured on held-out 
   2. rejection-sample: the tuned policy at T > 0; SFT on the best passing attempt of each group;
   3. GRPO: groups (`constrained: false`, so the returned logprobs are the policy's own), a clipped
      importance-ratio loss over each trajectory's `loss_mask`, the service's advantages; the adapter
-     is saved and sent with `POST /policy`, and the next step's groups come from it.
+     is saved and sent with `POST /policy` after each step. `--grpo-mode sync` picks each step's
+     tasks here and waits for their groups (no filter); `overlap` pulls each step's groups from a
+     sampler stream (signal filter, difficulty bounds, `--max-staleness`) that generates the next
+     step's while this one trains; `both` (default) runs sync steps first, then overlapped ones.
+
+`--grpo-only` skips stages 1 and 2: GRPO from the base model.
 
 With no larger model on this machine, the teacher is refenv's scripted oracle (`refenv teacher`),
 which answers each task the way its hidden oracle does. With a real teacher the same commands apply.
@@ -17,13 +22,15 @@ which answers each task the way its hidden oracle does. With a real teacher the 
     python examples/reference_trainer.py --out results/train            # starts the whole stack
     python examples/reference_trainer.py --smoke --out /tmp/train-smoke  # the mechanics, in minutes
 
-Writes DIR/steps.jsonl (one JSON line per stage, step and measurement), DIR/summary.json, and
-DIR/progress.png (train reward and eval pass rate with 95% Wilson intervals, against step).
+Writes DIR/steps.jsonl (one JSON line per stage, step and measurement), DIR/summary.json,
+DIR/progress.png (train reward, eval pass rate with 95% Wilson intervals and eval mean reward, against
+step) and a bench record (DIR/record.json or --record PATH; examples/reference_report.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -31,42 +38,77 @@ import signal
 import statistics
 import sys
 import time
+import typing
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import reference_report
+
 from inference import embedded_model
 from rollout_service.protocol import GRADED_STATUSES, Attempt, GroupResult
+from rollout_service.sampler_protocol import StreamState
 from rollout_service.server.config import ServiceConfig
 from rollout_service.tools.measure import run_measure
 from rollout_service.tools.stack import LocalStack, refenv_command
-from rollout_service.trainer import RolloutClient, token_batch
+from rollout_service.trainer import RolloutClient, RolloutError, token_batch
+from rollout_service.trainer.client import Sampled
 from rollout_service.trainer.export import ExportOptions, export_sft
 
 MODEL = embedded_model.MODEL_NAME
+
+
+def setting(default: Any, help: str) -> Any:
+    """A field of Settings; its flag (`--name-with-dashes`) and help are made from it."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class Settings:
     out: Path
     vllm: str | None = None
-    distil_groups: int = 44  # train tasks the teacher answers (each once)
-    distil_epochs: int = 2
-    rs_groups: int = 16
-    rs_n: int = 4
-    grpo_steps: int = 4
-    grpo_tasks: int = 6  # tasks per GRPO step
-    grpo_n: int = 4
-    max_turns: int | None = None  # per episode of the policy's groups and measurements (None: the service's)
-    eval_repeats: int = 2
-    eval_limit: int | None = None  # measure only the first N eval tasks (None: all)
-    eval_every: int = 2  # GRPO steps between measurements
-    lr: float = 2e-4
-    grpo_lr: float = 5e-5
-    clip: float = 0.2
-    max_tokens: int = 96
-    temperature: float = 1.0
-    seed: int = 7
+    grpo_only: bool = setting(False, "skip distillation and rejection sampling: GRPO from the base model")
+    distil_groups: int = setting(44, "train tasks the teacher answers (each once)")
+    distil_epochs: int = setting(2, "SFT epochs on the teacher's passing attempts")
+    rs_groups: int = setting(16, "rejection sampling: tasks sampled")
+    rs_n: int = setting(4, "rejection sampling: attempts per task")
+    grpo_steps: int = setting(13, "GRPO steps in all (with --grpo-mode both: the sync ones first)")
+    grpo_mode: str = setting(
+        "both",
+        "sync: the trainer picks the tasks and waits for their groups, no filter (the way before the sampler); "
+        "overlap: a sampler stream (signal filter, difficulty bounds) generates while the trainer trains; "
+        "both: --grpo-sync-steps sync steps, then overlapped ones, so both are measured in one run",
+    )
+    grpo_sync_steps: int = setting(3, "with --grpo-mode both: GRPO steps run the sync way before the overlapped ones")
+    groups_per_step: int = setting(6, "groups trained on per GRPO step")
+    grpo_n: int = setting(4, "attempts per GRPO group")
+    max_staleness: int = setting(1, "overlap: policy updates a trained group may be behind the current version")
+    buffer: int | None = setting(None, "overlap: the stream's buffer bound (default 2 x --groups-per-step)")
+    skip_pass_rate_above: float | None = setting(
+        0.9, "overlap: skip a task whose recent pass rate is above this (it teaches little)"
+    )
+    skip_pass_rate_below: float | None = setting(
+        None,
+        "overlap: skip a task whose recent pass rate is below this (off by default: shaped rewards still "
+        "differ on tasks never passed)",
+    )
+    pull_timeout_s: float = setting(
+        1800.0, "overlap: a pull waits this long for its groups with signal, then the run stops and says so"
+    )
+    difficulty_after_groups: float = setting(2.0, "overlap: weighted groups before a task is judged by its pass rate")
+    difficulty_versions: int = setting(4, "overlap: policy versions whose groups count for the pass rate")
+    max_turns: int | None = setting(None, "per episode of the policy's groups and measurements (default: service's)")
+    eval_repeats: int = setting(8, "attempts per eval task per measurement (8 x 11 eval tasks = 88)")
+    eval_limit: int | None = setting(None, "measure only the first N eval tasks (default: all)")
+    eval_every: int = setting(2, "GRPO steps between measurements")
+    lr: float = setting(2e-4, "SFT learning rate")
+    grpo_lr: float = setting(5e-5, "GRPO learning rate")
+    clip: float = setting(0.2, "GRPO importance-ratio clip")
+    max_tokens: int = setting(96, "completion tokens per turn")
+    temperature: float = setting(1.0, "sampling temperature of the policy's groups and measurements")
+    seed: int = setting(7, "seeds the model, the task draws and the sampling")
 
     @classmethod
     def smoke(cls, out: Path, vllm: str | None) -> Settings:
@@ -77,15 +119,35 @@ class Settings:
             distil_epochs=2,
             rs_groups=2,
             rs_n=2,
-            grpo_steps=1,
-            grpo_tasks=2,
+            grpo_steps=4,
+            grpo_sync_steps=1,
+            groups_per_step=1,
             grpo_n=2,
+            # Three groups in the stream, one pulled per step: a buffered group outlives two updates, so
+            # the staleness bound is exercised, not just stated.
+            buffer=3,
             max_turns=2,  # answers the env rejects are asked again up to its limit: minutes on CPU
             eval_repeats=1,
             eval_limit=2,
-            eval_every=1,
+            eval_every=100,  # once, after the last GRPO step
             max_tokens=32,
         )
+
+
+def settings_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per setting, defaulting to None: a flag given overrides the settings (full or smoke)."""
+    hints = typing.get_type_hints(Settings)
+    for f in dataclasses.fields(Settings):
+        if "help" not in f.metadata:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
+            continue
+        base = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+        choices = ["sync", "overlap", "both"] if f.name == "grpo_mode" else None
+        parser.add_argument(flag, type=base, choices=choices, default=None, help=f"{f.metadata['help']} ({f.default})")
 
 
 @dataclass
@@ -376,6 +438,7 @@ class Run:
             version=self.version,
             pass_rate=m["pass_rate"],
             wilson95=m["wilson95"],
+            mean_reward=m["mean_reward"],
             passes=m["passes"],
             graded=m["graded"],
             tasks=m["tasks"],
@@ -452,30 +515,161 @@ class Run:
         )
         self.sft_stage("rs", self._logged("rs", groups), best_of_group=True, epochs=1)
 
+    def grpo_modes(self) -> list[str]:
+        s = self.settings
+        if s.grpo_mode == "both":
+            sync = min(s.grpo_sync_steps, s.grpo_steps)
+            return ["sync"] * sync + ["overlap"] * (s.grpo_steps - sync)
+        return [s.grpo_mode] * s.grpo_steps
+
     def grpo(self) -> None:
-        rng = random.Random(self.settings.seed)
-        for k in range(self.settings.grpo_steps):
-            tasks = rng.sample(self.train_tasks, min(self.settings.grpo_tasks, len(self.train_tasks)))
-            started = time.monotonic()
-            groups = self.groups(
-                [
-                    self.request(t, self.settings.grpo_n, 1000 * (k + 1) + i, constrained=False, max_staleness=0)
-                    for i, t in enumerate(tasks)
-                ],
-                f"grpo step {k + 1}: groups",
-            )
-            generated = time.monotonic() - started
-            attempts = [a for g in groups for a in g.attempts]
-            if k == 0:
-                self.log.write("agreement", step=self.step, version=self.version, **self.policy.agreement(attempts))
-            info = self.policy.grpo_step(attempts)
-            self.push("grpo")
-            self.log.write(
-                "grpo", step=self.step, **info, **_reward_stats(groups), generation_seconds=round(generated, 1)
-            )
-            say(f"[grpo] step {k + 1}: mean reward {_reward_stats(groups)['mean_reward']}, loss {info['loss']}")
-            if (k + 1) % self.settings.eval_every == 0 or k + 1 == self.settings.grpo_steps:
-                self.measure(f"grpo {k + 1}")
+        """GRPO steps, each on `groups_per_step` groups: sync steps pick their tasks and wait for them;
+        overlapped ones pull from a sampler stream that keeps generating while the step trains. Every
+        trained group's lag is checked against the trainer's own update log before it is trained on."""
+        s = self.settings
+        rng = random.Random(s.seed)
+        # The trainer's update log, oldest first: the lag of a group is how far its oldest turn's version
+        # is behind the last entry. It starts at the version the service serves now.
+        self.updates = [self.client.policy().version]
+        stream: StreamState | None = None
+        try:
+            for k, mode in enumerate(self.grpo_modes()):
+                started = time.monotonic()
+                if mode == "sync":
+                    groups, generation = self.sync_groups(k, rng)
+                    service_lags: list[int | None] = [None] * len(groups)
+                    bound = 0
+                else:
+                    if stream is None:
+                        stream = self.open_stream()
+                    pulled = self.client.pull(stream.id, s.groups_per_step, timeout_s=s.pull_timeout_s)
+                    if len(pulled.groups) < s.groups_per_step:
+                        # A policy whose groups never differ (every attempt failed alike) gives GRPO nothing:
+                        # a finding to report with the measurements so far, not a crash.
+                        why = (
+                            f"grpo step {k + 1}: the stream handed out {len(pulled.groups)} of {s.groups_per_step} "
+                            f"groups: {pulled.summary.stopped}; dropped so far "
+                            f"{pulled.summary.stream.dropped if pulled.summary.stream else pulled.summary.dropped} of "
+                            f"{pulled.summary.stream.groups_run if pulled.summary.stream else '?'} groups run"
+                        )
+                        self.log.write("grpo_stopped", step=self.step, grpo_step=k + 1, reason=why)
+                        say(f"[grpo] stopped: {why}")
+                        if k > 0 and k % s.eval_every != 0:  # the last step trained on is measured
+                            self.measure(f"grpo {k}")
+                        break
+                    groups, service_lags, bound = pulled.groups, list(pulled.lags), s.max_staleness
+                    generation = stream_generation(pulled)
+                waited = time.monotonic() - started
+                trained = [self.trained_group(g, lag) for g, lag in zip(groups, service_lags, strict=True)]
+                too_old = [t for t in trained if t["lag"] > bound]
+                if too_old:
+                    raise RuntimeError(
+                        f"grpo step {k + 1}: {len(too_old)} group(s) behind the policy by more than {bound} "
+                        f"update(s): {too_old}"
+                    )
+                attempts = [a for g in groups for a in g.attempts]
+                checking = time.monotonic()
+                if k == 0:  # lag 0 on the first step: the weights here are the ones that generated
+                    self.log.write("agreement", step=self.step, version=self.version, **self.policy.agreement(attempts))
+                started += time.monotonic() - checking  # a check, not part of the step
+                trained_on = self.version
+                t0 = time.monotonic()
+                info = self.policy.grpo_step(attempts)
+                train_s = time.monotonic() - t0
+                self.push("grpo")
+                self.updates.append(self.version)
+                stats = _reward_stats(groups)
+                self.log.write(
+                    "grpo",
+                    step=self.step,
+                    grpo_step=k + 1,
+                    mode=mode,
+                    trained_on=trained_on,
+                    max_staleness=bound,
+                    **info,
+                    **stats,
+                    wall_seconds=round(time.monotonic() - started, 2),
+                    wait_seconds=round(waited, 2),
+                    train_seconds=round(train_s, 2),
+                    generation=generation,
+                    trained=trained,
+                )
+                lags = [t["lag"] for t in trained]
+                say(
+                    f"[grpo] step {k + 1} ({mode}): mean reward {stats['mean_reward']}, loss {info['loss']}, "
+                    f"lags {lags}, waited {waited:.1f}s"
+                )
+                if (k + 1) % s.eval_every == 0 or k + 1 == s.grpo_steps:
+                    self.measure(f"grpo {k + 1}")
+        finally:
+            if stream is not None:
+                try:
+                    closed = self.client.close_stream(stream.id)
+                    self.log.write("stream", **closed.model_dump())
+                except RolloutError as exc:  # closing is tidying: the run's outcome is already decided
+                    say(f"[grpo] closing the stream: {exc}")
+
+    def sync_groups(self, k: int, rng: random.Random) -> tuple[list[GroupResult], dict]:
+        """The way before the sampler: the trainer picks the tasks and waits for every group."""
+        s = self.settings
+        tasks = rng.sample(self.train_tasks, min(s.groups_per_step, len(self.train_tasks)))
+        groups = self.groups(
+            [
+                self.request(t, s.grpo_n, 1000 * (k + 1) + i, constrained=False, max_staleness=0)
+                for i, t in enumerate(tasks)
+            ],
+            f"grpo step {k + 1}: groups",
+        )
+        return groups, {
+            "groups_run": len(groups),
+            "with_signal": sum(has_signal(g) for g in groups),
+            "attempts": sum(len(g.attempts) for g in groups),
+            "completion_tokens": sum(g.completion_tokens for g in groups),
+        }
+
+    def open_stream(self) -> StreamState:
+        s = self.settings
+        template: dict[str, Any] = {
+            "n": s.grpo_n,
+            "sampling": {"temperature": s.temperature, "max_tokens": s.max_tokens},
+            "constrained": False,
+        }
+        if s.max_turns:
+            template["max_turns"] = s.max_turns
+        fields: dict[str, Any] = {
+            "buffer": s.buffer or 2 * s.groups_per_step,
+            "max_staleness": s.max_staleness,
+            "group": template,
+            "filter": "signal",
+            "seed": s.seed,
+            "idle_timeout_s": 3 * 3600,  # a measurement between pulls takes minutes on a CPU
+        }
+        if s.skip_pass_rate_above is not None or s.skip_pass_rate_below is not None:
+            fields["difficulty"] = {
+                "skip_pass_rate_above": s.skip_pass_rate_above,
+                "skip_pass_rate_below": s.skip_pass_rate_below,
+                "after_groups": s.difficulty_after_groups,
+                "versions": s.difficulty_versions,
+            }
+        stream = self.client.open_stream(**fields)
+        self.log.write("stream", **stream.model_dump(), settings=fields)
+        return stream
+
+    def trained_group(self, group: GroupResult, service_lag: int | None) -> dict:
+        """What the run log keeps of a group trained on: its lag by the trainer's update log (and the
+        service's, for a pulled group), its turns' versions and whether it carries signal."""
+        oldest = group.oldest_policy_version
+        if oldest not in self.updates:
+            raise RuntimeError(f"group {group.group_id}: its oldest turn's version {oldest!r} is not in {self.updates}")
+        return {
+            "group_id": group.group_id,
+            "task_id": group.task_id,
+            "oldest_version": oldest,
+            "lag": len(self.updates) - 1 - self.updates.index(oldest),
+            "service_lag": service_lag,
+            "signal": has_signal(group),
+            "rewards": group.rewards,
+        }
 
     def _logged(self, stage: str, groups: list[GroupResult], timeout_s: float = 60.0) -> Path:
         """A run log of these groups alone (`runs/<stage>-only.jsonl`), taken from the service's run log
@@ -506,6 +700,30 @@ class Run:
         return path
 
 
+def has_signal(group: GroupResult) -> bool:
+    """The sampler's test: at least two graded rewards, and not all equal."""
+    graded = [a.reward for a in group.attempts if a.status in GRADED_STATUSES and a.reward is not None]
+    return len(graded) >= 2 and any(r != graded[0] for r in graded)
+
+
+def stream_generation(pulled: Sampled) -> dict:
+    """The stream's tally so far (its life, not this pull's: the pull summary's `stream`) and what
+    this pull dropped, by reason."""
+    life = pulled.summary.stream
+    if life is None:
+        raise RuntimeError("a pull's summary without its stream's state: is the service older than the trainer?")
+    return {
+        "groups_run": life.groups_run,
+        "dropped": life.dropped,
+        "attempts_dropped": life.attempts_dropped,
+        "completion_tokens_dropped": life.completion_tokens_dropped,
+        "skipped_tasks": {why: len(tasks) for why, tasks in life.skipped_tasks.items()},
+        "dropped_this_pull": dict(Counter(d.reason for d in pulled.dropped)),
+        "buffer": {"bound": life.buffer_bound, "buffered": life.buffered},
+        "lag_histogram": life.lag_histogram,
+    }
+
+
 def _reward_stats(groups: list[GroupResult]) -> dict:
     rewards = [a.reward for g in groups for a in g.attempts if a.reward is not None]
     graded = [a for g in groups for a in g.attempts if a.status in GRADED_STATUSES]
@@ -519,44 +737,24 @@ def _reward_stats(groups: list[GroupResult]) -> dict:
     }
 
 
-def plot(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    train = [r for r in records if r["kind"] in ("groups", "grpo") and r.get("mean_reward") is not None]
-    ax.plot([r["step"] for r in train], [r["mean_reward"] for r in train], "o-", label="train mean reward")
-    evals = [r for r in records if r["kind"] == "eval" and r["pass_rate"] is not None]
-    if evals:
-        steps = [r["step"] for r in evals]
-        rates = [r["pass_rate"] for r in evals]
-        lows = [r["pass_rate"] - r["wilson95"][0] for r in evals]
-        highs = [r["wilson95"][1] - r["pass_rate"] for r in evals]
-        ax.errorbar(steps, rates, yerr=[lows, highs], fmt="s-", capsize=4, label="eval pass rate (95% Wilson)")
-    ax.set_xlabel("policy version (step)")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    ax.set_title("reference trainer: distil, rejection sampling, GRPO")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results/train"), help="where logs, adapters and the plot go")
     parser.add_argument("--vllm", help="a running vLLM serving the embedded model with LoRA on (default: start one)")
-    parser.add_argument("--smoke", action="store_true", help="a few tiny steps: the mechanics, not the learning")
-    parser.add_argument("--grpo-steps", type=int, help="GRPO steps (default 4; 1 with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="tiny counts: the mechanics, not the learning")
+    parser.add_argument(
+        "--record", type=Path, help="write the bench record here (default OUT/record.json), e.g. under bench/results/"
+    )
+    settings_flags(parser)
     args = parser.parse_args(argv)
     # A SIGTERM ends the run like Ctrl-C does: through `with stack`, which stops every process it started.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.out.mkdir(parents=True, exist_ok=True)
     settings = Settings.smoke(args.out, args.vllm) if args.smoke else Settings(out=args.out, vllm=args.vllm)
-    if args.grpo_steps is not None:
-        settings.grpo_steps = args.grpo_steps
+    for f in dataclasses.fields(Settings):
+        given = getattr(args, f.name, None)
+        if given is not None and "help" in f.metadata:
+            setattr(settings, f.name, given)
     (args.out / "steps.jsonl").unlink(missing_ok=True)
     stack = TrainStack(args.out, args.vllm)
     started = time.monotonic()
@@ -572,12 +770,11 @@ def main(argv: list[str] | None = None) -> int:
             run.rejection_sample()
             run.measure("rs")
 
-        for name, action in (
-            ("base", lambda: run.measure("base")),
-            ("distil", distil),
-            ("rs", rejection_sample),
-            ("grpo", run.grpo),
-        ):
+        stages: list[tuple[str, Callable[[], object]]] = [("base", lambda: run.measure("base"))]
+        if not settings.grpo_only:
+            stages += [("distil", distil), ("rs", rejection_sample)]
+        stages.append(("grpo", run.grpo))
+        for name, action in stages:
             t0 = time.monotonic()
             say(f"== stage {name}")
             action()
@@ -590,10 +787,17 @@ def main(argv: list[str] | None = None) -> int:
             "training_tokens_per_s": round(run.policy.trained_tokens / max(run.policy.train_seconds, 1e-9), 1),
             "evals": [r for r in run.log.records if r["kind"] == "eval"],
             "agreement": next((r for r in run.log.records if r["kind"] == "agreement"), None),
+            # The service's own update log, for checking the lags against something the trainer did not count.
+            "policy": client.policy().model_dump(mode="json"),
         }
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot(run.log.records, args.out / "progress.png")
-    say(f"done: {args.out / 'summary.json'}, {args.out / 'progress.png'}")
+        title = "reference trainer: " + ("GRPO from the base model" if settings.grpo_only else "distil, RS, GRPO")
+        reference_report.plot(run.log.records, args.out / "progress.png", title)
+        bench = reference_report.bench_record(run.log.records, summary, sys.argv if argv is None else argv)
+        record_path = args.record or args.out / "record.json"
+        record_path.parent.mkdir(parents=True, exist_ok=True)
+        record_path.write_text(json.dumps(bench, indent=1, ensure_ascii=False) + "\n")
+    say(f"done: {args.out / 'summary.json'}, {args.out / 'progress.png'}, {record_path}")
     return 0
 
 

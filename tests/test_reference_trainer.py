@@ -3,8 +3,10 @@ vLLM, refenv's train and eval sides, its scripted oracle teacher, the service. S
 this checks that the pieces connect, not that the policy learns (the README's table is the full run).
 
 Oracles: vLLM itself (the adapters the trainer pushed are served, and answer differently from the
-base model), the losses the trainer logged on a fixed batch, and its logprob agreement check, which
-recomputes the service's logprobs with transformers.
+base model), the losses the trainer logged on a fixed batch, its logprob agreement check, which
+recomputes the service's logprobs with transformers, and for the GRPO stage's lags and signal the
+service's own records: its run log (each turn's policy version, each attempt's status and reward) and
+its policy update log (GET /policy), not the trainer's counts.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import httpx
 import pytest
 
 from inference import embedded_model
+from rollout_service.protocol import GRADED_STATUSES
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = embedded_model.MODEL_NAME
+GRADED = set(GRADED_STATUSES)
 
 
 def served(vllm: str) -> list[str]:
@@ -47,7 +51,7 @@ def train_out(vllm_url, tmp_path):
         httpx.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": f"{MODEL}@{version}"}, timeout=60)
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(3600)
 @pytest.mark.early  # the longest test (326 s at f242315): sent last, the alone tests waited 158 s for it
 def test_smoke_run_connects_every_stage(vllm_url, train_out):
     vllm, out = vllm_url, train_out
@@ -56,22 +60,24 @@ def test_smoke_run_connects_every_stage(vllm_url, train_out):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=1700,
+        timeout=3300,  # 33 min on a 2-core machine at load 9: the GRPO stage has four steps and a stream
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in records]
     # Measured at the base, after each stage and after GRPO; an update after each SFT and GRPO step.
-    assert [r["stage"] for r in records if r["kind"] == "eval"] == ["base", "distil", "rs", "grpo 1"]
-    assert kinds.count("update") == 3
+    assert [r["stage"] for r in records if r["kind"] == "eval"] == ["base", "distil", "rs", "grpo 4"]
+    assert kinds.count("update") == 6
 
     distil = next(r for r in records if r["kind"] == "sft" and r["stage"] == "distil")
     assert distil["records"] > 0, "the teacher's passing attempts gave no SFT record"
     losses = distil["losses"]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses[1] < losses[0], losses
 
-    grpo = next(r for r in records if r["kind"] == "grpo")
-    assert grpo["rows"] > 0 and math.isfinite(grpo["loss"])
+    steps = [r for r in records if r["kind"] == "grpo"]
+    assert [s["mode"] for s in steps] == ["sync", "overlap", "overlap", "overlap"]
+    assert all(s["rows"] > 0 and math.isfinite(s["loss"]) for s in steps)
+    check_grpo_lags_and_signal(out, steps)
 
     # The adapter reached vLLM: the last version is served and answers otherwise than the base.
     last = [r for r in records if r["kind"] == "update"][-1]["version"]
@@ -88,3 +94,68 @@ def test_smoke_run_connects_every_stage(vllm_url, train_out):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["training_tokens_per_s"] > 0 and summary["generation_tokens_per_s"] > 0
     assert (out / "progress.png").stat().st_size > 1000
+    check_record_renders(out / "record.json")
+
+
+def service_update_order(out: Path) -> list[str]:
+    """The service's policy versions, oldest first, from its own update log (each update names the
+    version it replaced)."""
+    updates = json.loads((out / "summary.json").read_text())["policy"]["recent_updates"]
+    order = [updates[0]["previous"]]
+    for update in updates:
+        assert update["previous"] == order[-1], updates  # one unbroken chain
+        order.append(update["version"])
+    return order
+
+
+def check_grpo_lags_and_signal(out: Path, steps: list[dict]) -> None:
+    """Every trained group's lag, counted from the service's run log (each turn's recorded version) and
+    its update log (the version current when the step trained: the one its update replaced), is within
+    the step's bound (0 for sync steps, max_staleness for pulled ones); every group the sampler handed
+    out carries signal by the run log's graded rewards. The stream is made so that a buffered group
+    outlives two updates (buffer 3, one group per step): the bound must have had work to do."""
+    order = service_update_order(out)
+    previous = {
+        u["version"]: u["previous"] for u in json.loads((out / "summary.json").read_text())["policy"]["recent_updates"]
+    }
+    pushed = {
+        r["step"]: r["version"]
+        for r in (json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines())
+        if r["kind"] == "update"
+    }
+    logged = {}
+    for line in (out / "runs" / "train.jsonl").read_text().splitlines():
+        group = json.loads(line)
+        logged[group["group_id"]] = group
+    exercised = 0
+    for step in steps:
+        current = previous[pushed[step["step"]]]  # the version served while the step trained
+        bound = 0 if step["mode"] == "sync" else step["max_staleness"]
+        if step["mode"] == "overlap":
+            assert bound == 1
+            exercised += step["generation"]["dropped"].get("stale", 0)
+        for trained in step["trained"]:
+            group = logged[trained["group_id"]]
+            versions = {t["policy_version"] for a in group["attempts"] for t in a["turns"] if t.get("policy_version")}
+            assert versions, group["group_id"]
+            lag = order.index(current) - min(order.index(v) for v in versions)
+            assert 0 <= lag <= bound, (step["grpo_step"], trained, versions, current)
+            exercised += lag
+            if step["mode"] == "overlap":
+                graded = [a["reward"] for a in group["attempts"] if a["status"] in GRADED and a["reward"] is not None]
+                assert len(graded) >= 2 and len(set(graded)) > 1, (group["group_id"], group["rewards"])
+    assert exercised > 0, "no trained group had lag 1 and none was dropped stale: the bound was never tested"
+
+
+def check_record_renders(path: Path) -> None:
+    """The run's bench record passes bench/record.py's check and bench/render.py renders its GRPO table."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import record
+        import render
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    made = record.check(json.loads(path.read_text()))
+    made["_file"] = path.name
+    page = render.render_record(made)
+    assert "share of generated groups with signal" in page and "lag of every trained group" in page, page
