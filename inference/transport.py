@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import aiohttp
 import httpx
 import orjson
+import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from .json_body import dumps
@@ -145,6 +146,8 @@ class HttpAnswer:
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_IDLE_S = 2.0
+USER_AGENT = "rollout-service"
+_KEPT_URLS = 1024
 
 
 class EnvProxies:
@@ -217,16 +220,12 @@ class HttpTransport:
     ) -> HttpAnswer:
         """Send `json` (if any) as the body; raise TransportTimeout, ConnectRefused or TransportError
         when there is no answer."""
-        send_headers = dict(headers or {})
-        body = None
-        if json is not None:
-            body = dumps(json)
-            send_headers["Content-Type"] = "application/json"
-        return await self._send(method, url, body, send_headers, timeout)
+        return await self._send(method, url, None if json is None else dumps(json), headers or {}, timeout)
 
     async def _send(
         self, method: str, url: str, body: bytes | None, headers: dict[str, str], deadline_s: float | None
     ) -> HttpAnswer:
+        """`body` (JSON, sent as application/json) and `headers` (the caller's, not to be changed)."""
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -250,6 +249,22 @@ class AiohttpTransport(HttpTransport):
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self.proxy_for = EnvProxies()
+        self._urls: dict[str, yarl.URL] = {}
+
+    def _url(self, url: str) -> yarl.URL:
+        """`url` parsed (and escaped) as aiohttp would for each request, once: the service asks the
+        same few URLs over and over. Kept up to _KEPT_URLS; the rest (an episode's DELETE, say) come
+        and go."""
+        parsed = self._urls.get(url)
+        if parsed is None:
+            try:
+                parsed = yarl.URL(url)
+            except ValueError as exc:  # as aiohttp says it of a URL it cannot parse
+                raise aiohttp.InvalidUrlClientError(url) from exc
+            if len(self._urls) >= _KEPT_URLS:
+                self._urls.clear()
+            self._urls[url] = parsed
+        return parsed
 
     def _open(self) -> aiohttp.ClientSession:
         if self._closed:
@@ -270,12 +285,13 @@ class AiohttpTransport(HttpTransport):
             )
             # Answers are read as sent, never unpacked: the cap counts the bytes that would be held.
             # (aiohttp would otherwise ask for gzip and unpack past the cap checked on Content-Length.)
+            # Its own User-Agent rather than aiohttp's, named here: asking aiohttp to skip one made it
+            # build two header maps more for every request.
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
-                headers={"Accept-Encoding": "identity"},
+                headers={"Accept-Encoding": "identity", "User-Agent": USER_AGENT},
                 timeout=self._timeout,
-                skip_auto_headers=("User-Agent",),
                 raise_for_status=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
                 max_line_size=MAX_HEADER_BYTES,  # a proxy in between may add long headers
@@ -300,8 +316,10 @@ class AiohttpTransport(HttpTransport):
         try:
             async with session.request(
                 method,
-                url,
-                data=body,
+                self._url(url),
+                # A payload made here, with its type, rather than one aiohttp finds for bytes and a
+                # Content-Type header merged into the caller's.
+                data=None if body is None else aiohttp.BytesPayload(body, content_type="application/json"),
                 headers=headers,
                 timeout=deadline,
                 allow_redirects=False,  # as httpx: a redirect is an answer to report, not to follow
@@ -337,8 +355,9 @@ class AiohttpTransport(HttpTransport):
         encoding = response.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise EncodedAnswer(encoding)
-        if response.content_length is not None:
-            if response.content_length > limit:
+        length = response.content_length  # parsed from the header on each reading
+        if length is not None:
+            if length > limit:
                 raise AnswerTooLarge(limit)
             return await response.read()  # reads what the length announced and no more
         body = bytearray()
@@ -396,6 +415,8 @@ class HttpxTransport(HttpTransport):
         self, method: str, url: str, body: bytes | None, headers: dict[str, str], deadline_s: float | None
     ) -> HttpAnswer:
         kwargs: dict[str, Any] = {} if deadline_s is None else {"timeout": deadline_s}
+        if body is not None:
+            headers = {"Content-Type": "application/json", **headers}
         try:
             async with self._http.stream(method, url, content=body, headers=headers, **kwargs) as response:
                 received = bytearray()

@@ -469,6 +469,37 @@ def test_the_client_keeps_connections_alive_and_reads_every_framing():
     asyncio.run(go())
 
 
+def test_each_request_names_the_service_once_and_types_its_json_body_once():
+    """What the server reads in each request's head (its log is the oracle): one User-Agent, the
+    service's (not the HTTP library's), identity asked for, and a JSON body's type once, a caller's
+    own header kept; and the URLs the transport keeps parsed stay bounded as new ones come (an
+    episode's DELETE is a URL of its own). Breaks tried: aiohttp's skip_auto_headers back instead of
+    the service's User-Agent (none sent: fails), the bound's clear() removed (fails)."""
+
+    def fields(head: bytes) -> list[tuple[str, str]]:
+        lines = head.decode().split("\r\n")[1:]
+        return [(k.strip().lower(), v.strip()) for k, _, v in (line.partition(":") for line in lines if line)]
+
+    async def go():
+        async with _scripted() as (server, url, transport):
+            await transport.request("POST", f"{url}/a", json={"x": 1}, headers={"Authorization": "Bearer k"})
+            await transport.request("GET", f"{url}/b")
+            post, get = fields(server.heads[0]), fields(server.heads[1])
+            for head in (post, get):
+                assert [v for k, v in head if k == "user-agent"] == ["rollout-service"]
+                assert [v for k, v in head if k == "accept-encoding"] == ["identity"]
+            assert [v for k, v in post if k == "content-type"] == ["application/json"]
+            assert [v for k, v in post if k == "authorization"] == ["Bearer k"]
+            assert server.requests[0][2] == b'{"x":1}'
+            assert not any(k == "content-type" for k, _ in get)
+            for n in range(1100):
+                await transport.request("DELETE", f"{url}/episode-{n}")
+            assert server.requests[-1][1] == b"DELETE /episode-1099 HTTP/1.1"
+            assert len(transport._urls) <= 1024
+
+    asyncio.run(go())
+
+
 def test_a_post_is_never_sent_twice_after_a_kept_alive_connection_dropped():
     """A kept-alive connection that ends with no byte of an answer was most likely closed by the server
     (its idle timeout) as the request went out: a GET may go once more (RFC 9110 lets an idempotent
@@ -496,9 +527,10 @@ def test_a_target_or_header_is_sent_escaped_and_once_and_another_event_loop_is_r
 
     async def go():
         async with _scripted() as (server, url, transport):
-            assert (await transport.request("GET", f"{url}/p%zz", headers={"Host": "env.internal"})).status == 200
-            assert server.requests[-1][1] == b"GET /p%25zz HTTP/1.1"
-            assert server.heads[-1].lower().count(b"\r\nhost:") == 1 and b"Host: env.internal" in server.heads[-1]
+            for _ in range(2):  # the second from the transport's parsed URLs
+                assert (await transport.request("GET", f"{url}/p%zz", headers={"Host": "env.internal"})).status == 200
+                assert server.requests[-1][1] == b"GET /p%25zz HTTP/1.1"
+                assert server.heads[-1].lower().count(b"\r\nhost:") == 1 and b"Host: env.internal" in server.heads[-1]
             with pytest.raises(ConnectRefused):
                 await transport.request("GET", "http://h\u00f6st.invalid/x")
 
