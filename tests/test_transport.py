@@ -554,7 +554,10 @@ def test_a_target_or_header_is_sent_escaped_and_once_and_another_event_loop_is_r
 
 def test_a_request_cancelled_or_timed_out_closes_its_connection():
     """A request that ends before its answer leaves a connection whose next bytes are that answer:
-    it is closed (the server sees the EOF), never reused."""
+    it is closed (the server sees the EOF), never reused. A request's deadline is TransportTimeout and
+    leaves its task as it was; a caller's own cancellation or deadline stays the caller's. Breaks
+    tried: the deadline's cancellation not taken back (task.uncancel() removed: fails), every
+    cancellation of a request read as its deadline (fails)."""
 
     async def go():
         server = _ScriptedServer()
@@ -574,8 +577,17 @@ def test_a_request_cancelled_or_timed_out_closes_its_connection():
             await server.got.get()
             with pytest.raises(TransportTimeout):
                 await transport.request("GET", f"{url}/slow", timeout=0.2)
+            task = asyncio.current_task()
+            assert task is not None and task.cancelling() == 0  # the deadline's cancellation was taken back
             assert await asyncio.wait_for(server.eof_seen.get(), 5) == 2
             assert (await transport.request("GET", f"{url}/c")).body == b"/c"
+            await server.got.get()
+            # The caller's own deadline, shorter than the request's, is the caller's: not TransportTimeout.
+            with pytest.raises(TimeoutError) as caught:
+                async with asyncio.timeout(0.2):
+                    await transport.request("GET", f"{url}/slow", timeout=30.0)
+            assert not isinstance(caught.value, TransportError)
+            assert await asyncio.wait_for(server.eof_seen.get(), 5) == 3
         finally:
             await transport.aclose()
             server.release.set()
