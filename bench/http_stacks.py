@@ -25,6 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import record as bench_record
 from ceiling import ROOT, measure  # bench/ is on the path when this runs as a script
 from standins import REPLIES
 
@@ -121,6 +122,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--out", default="bench/results/http-stacks.json")
+    parser.add_argument("--record", metavar="PATH", help="also write the pairs as a benchmark record (bench/record.py)")
     args = parser.parse_args()
     args.profile = None
     args.stacks = [f"before={Path(s[7:]).resolve()}" if s.startswith("before=") else s for s in args.stacks]
@@ -133,7 +135,7 @@ def main() -> None:
         + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in vars(args).items()
-            if k not in ("profile", "out")
+            if k not in ("profile", "out", "record")
         ),
         "commit": commit,
         "machine": _machine(),
@@ -144,6 +146,47 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"written to {args.out}")
+    if args.record:
+        trees = [f"before: the service run from `{s[7:]}`." for s in args.stacks if s.startswith("before=")]
+        made = as_record(record, args.out, " ".join(trees))
+        print(f"record written to {bench_record.write(made, args.record)}")
+
+
+def as_record(raw: dict, raw_path: str, notes: str = "") -> dict:
+    """The run (as --out writes it) as a benchmark record for the benchmarks pages: per round and
+    configuration, each stack's service CPU per turn, the first stack's over each other's and the load;
+    `notes` say what the stacks were (a `before=DIR` tree is shown as "before")."""
+    stacks = list(dict.fromkeys(run["stack"] for run in raw["runs"]))
+    names = {stack: "before" if stack.startswith("before=") else stack for stack in stacks}
+    rows = []
+    for ratio in raw["ratios"]:
+        mine = [
+            r
+            for r in raw["runs"]
+            if (r["round"], r["tokens"], r["completion_tokens"])
+            == (ratio["round"], ratio["tokens"], ratio["completion_tokens"])
+        ]
+        by_stack = {r["stack"]: r for r in mine}
+        row = {"round": ratio["round"], "turns": ratio["tokens"], "completion tokens": ratio["completion_tokens"]}
+        for stack in stacks:
+            row[f"{names[stack]} CPU ms/turn"] = by_stack[stack]["service_cpu_ms_per_turn"]
+        first = by_stack[stacks[0]]["service_cpu_ms_per_turn"]
+        for stack in stacks[1:]:
+            row[f"{names[stacks[0]]} / {names[stack]}"] = round(first / by_stack[stack]["service_cpu_ms_per_turn"], 3)
+        loads = [r[k] for r in mine for k in ("load1_before", "load1_after")]
+        row["load (1 min)"] = f"{min(loads)}–{max(loads)}"
+        rows.append(row)
+    made = bench_record.make(
+        "http_stacks",
+        f"Service CPU per turn, side by side: {', '.join(names[s] for s in stacks)}",
+        rows,
+        notes=f"{notes} Every run's figures: `{raw_path}`. The load is the machine's one-minute load average"
+        " before and after the pair's runs.".strip(),
+        argv=raw["command"].split(),
+    )
+    made.update(commit=raw["commit"][:7] + ("+uncommitted" if raw["commit"].endswith("+uncommitted") else ""),
+                date=raw["date"][:10])  # fmt: skip
+    return made
 
 
 if __name__ == "__main__":

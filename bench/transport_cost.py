@@ -1,0 +1,159 @@
+"""What one request through the service's HTTP transport costs its process, in instructions: counted,
+not timed, so that it holds on a machine shared with others' builds (CPU time per request there
+varies by 15% from run to run; the count by well under 1%).
+
+    .venv/bin/python bench/transport_cost.py                                  # this checkout
+    .venv/bin/python bench/transport_cost.py --trees . /path/to/a/checkout-of-main --record bench/results/NAME.json
+
+For each tree (its `inference/` is the one imported) and answer size, a client process sends POSTs
+(a 500-id prompt as JSON, as an exact turn's completion) through `inference.transport.make_transport`
+to an instant stand-in server in a process of its own (bench/standins.py's; its answer is JSON of
+the given size), 32 at a time, and reads each answer as the service does (`HttpAnswer.json()`).
+The client runs under valgrind's callgrind twice, for --few and --many requests; the difference of
+the two instruction counts over the difference of the requests is what a request costs, the
+process's start and imports left out. User-space instructions only: the kernel's work for the
+sockets is not counted (the same for every tree). Needs valgrind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
+
+ROOT = Path(__file__).resolve().parents[1]
+IN_FLIGHT = 32
+PROMPT = list(range(500))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _serve(port: int, answer_bytes: int) -> None:
+    import standins
+
+    answer = orjson.dumps({"text": "a" * max(0, answer_bytes - 12)})
+    standins._serve(lambda method, path, body: (200, answer), port)
+
+
+async def _client(port: int, requests: int) -> None:
+    from inference.transport import make_transport
+
+    transport = make_transport(600.0)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 128}
+    left = requests
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            answer = await transport.request("POST", url, json=body)
+            if answer.status != 200:
+                raise RuntimeError(f"the stand-in answered {answer.status}")
+            answer.json()
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
+    finally:
+        await transport.aclose()
+
+
+def _instructions(tree: Path, port: int, requests: int) -> int:
+    """The client process's instructions for `requests` requests, imports and start included."""
+    out = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+         sys.executable, __file__, "_client", str(port), str(requests)],
+        env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if out.returncode != 0 or found is None:
+        raise RuntimeError(f"the client under valgrind failed ({out.returncode}): {out.stderr[-1500:]}")
+    return int(found.group(1))
+
+
+def _label(tree: Path) -> str:
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=tree, capture_output=True, text=True)
+    return f"{tree.name} ({head.stdout.strip() or 'not git'})"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", nargs="+", type=Path, default=[ROOT], help="checkouts whose transport to count")
+    parser.add_argument("--answer-bytes", type=int, nargs="+", default=[200, 60_000])
+    parser.add_argument("--few", type=int, default=300)
+    parser.add_argument("--many", type=int, default=1500)
+    parser.add_argument("--record", metavar="PATH", help="also write the rows as a benchmark record")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        print("transport_cost.py counts instructions with valgrind, which is not installed", file=sys.stderr)
+        return 2
+    trees = [tree.resolve() for tree in args.trees]
+    rows = []
+    for answer_bytes in args.answer_bytes:
+        port = _free_port()
+        server = subprocess.Popen([sys.executable, __file__, "_serve", str(port), str(answer_bytes)], cwd=ROOT)
+        try:
+            deadline = time.monotonic() + 30
+            while not _listening(port):
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("the stand-in server did not come up")
+                time.sleep(0.1)
+            first = None
+            for tree in trees:
+                few, many = _instructions(tree, port, args.few), _instructions(tree, port, args.many)
+                per_request = round((many - few) / (args.many - args.few))
+                first = first or per_request
+                rows.append(
+                    {
+                        "tree": _label(tree),
+                        "answer bytes": answer_bytes,
+                        "instructions/request": per_request,
+                        "ratio to the first tree": round(per_request / first, 3),
+                    }
+                )
+                print(
+                    f"{rows[-1]['tree']:>30} {answer_bytes:>7} B: {per_request:>9,} instructions a request", flush=True
+                )
+        finally:
+            server.terminate()
+            server.wait(timeout=20)
+    if args.record:
+        notes = (
+            f"{args.many} and {args.few} requests, {IN_FLIGHT} in flight, each a POST of a {len(PROMPT)}-id prompt;"
+            " user-space instructions of the client process, counted by callgrind."
+        )
+        made = record.make("transport_cost", "Instructions per request through the HTTP transport", rows, notes=notes)
+        print(f"record written to {record.write(made, args.record)}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_serve":
+        _serve(int(sys.argv[2]), int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_client":
+        import uvloop
+
+        uvloop.run(_client(int(sys.argv[2]), int(sys.argv[3])))
+    else:
+        sys.exit(main())
