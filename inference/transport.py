@@ -417,6 +417,8 @@ class AiohttpTransport(HttpTransport):
         if length is not None:
             if length > limit:
                 raise AnswerTooLarge(limit)
+            if response.content.is_eof():  # the whole body came with the head: taken as it lies
+                return response.content.read_nowait()
             return await response.read()  # reads what the length announced and no more
         body = bytearray()
         async for chunk in response.content.iter_any():

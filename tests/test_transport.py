@@ -413,6 +413,11 @@ class _ScriptedServer:
         if path == "/chunked":
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
             writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        elif path == "/split":  # the head and part of the body, the rest later: read whole, not as it lay
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nfirst")
+            await writer.drain()
+            await asyncio.sleep(0.1)  # a slow server, not a wait: the client has the head by then
+            writer.write(b"-rest")
         elif path == "/close":
             writer.write(b"HTTP/1.1 201 Created\r\ncontent-length: 5\r\nconnection: close\r\n\r\nclose")
         elif path == "/eof":
@@ -440,8 +445,9 @@ class _ScriptedServer:
 
 def test_the_client_keeps_connections_alive_and_reads_every_framing():
     """Kept-alive connections are reused (the server's own connection count); chunked answers, answers
-    ended by the close, interim 100s and `connection: close` are read as HTTP says; headers past the
-    limit are no answer."""
+    ended by the close, interim 100s and `connection: close` are read as HTTP says, and a body that
+    comes after its head is read whole; headers past the limit are no answer. Break tried: a body
+    taken as it lies when the head came (not only once it is whole): /split reads b"first", fails."""
 
     async def go():
         async with _scripted() as (server, url, transport):
@@ -450,6 +456,7 @@ def test_the_client_keeps_connections_alive_and_reads_every_framing():
             assert (answer.status, answer.json()) == (200, {"x": [1, 2]})
             assert server.requests[-1][2] == b'{"x":[1,2]}'
             assert (await transport.request("GET", f"{url}/interim")).body == b"final"
+            assert (await transport.request("GET", f"{url}/split")).body == b"first-rest"
             assert server.connections == 1  # one connection so far
             answer = await transport.request("DELETE", f"{url}/close")
             assert (answer.status, answer.body) == (201, b"close")
