@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 
 import httpx
 
+from .addresses import AddressPolicy
 from .answers import Completion, TokenizeAnswer
 from .engine import Engine, VllmServer
 from .errors import BadInferenceResponse, InferenceError, InferenceServerError, InferenceTimeout, InferenceUnreachable
-from .transport import DEFAULT_MAX_ANSWER_BYTES, AddressPolicy, HttpTransport, make_transport
+from .transport import DEFAULT_MAX_ANSWER_BYTES, HttpTransport, make_transport
 
 T = TypeVar("T")
 

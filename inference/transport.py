@@ -18,23 +18,22 @@ surrogate escape encodable (`clean_text`), as what orjson reads always is.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json as std_json
 import logging
-import socket
 import urllib.parse
 import urllib.request
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import httpx
 import orjson
 import yarl
-from aiohttp.abc import AbstractResolver, ResolveResult
 
+from .addresses import AddressPolicy, CheckedResolver, RefusedAddress, canonical_ipv4
+from .deadlines import DeadlineSweep
 from .json_body import dumps
+from .proxies import EnvProxies
 from .text import clean_text
 
 logger = logging.getLogger(__name__)
@@ -64,53 +63,6 @@ class EncodedAnswer(TransportError):
 class AddressRefused(TransportError):
     """The backend's name resolved to an address the service may not reach (its address policy,
     --allow-backends): no connection was made, nothing was sent."""
-
-
-class RefusedAddress(OSError):
-    """What an address policy raises from inside the resolver: aiohttp reports it as a failed
-    connection, whose cause `_send` reads back as AddressRefused."""
-
-
-Lookup = Callable[[str, int, int], Awaitable[list[ResolveResult]]]  # (host, port, family) -> its addresses
-
-
-class AddressPolicy(Protocol):
-    """Which addresses the service may connect to. `lookup` resolves a name (the system's resolver,
-    or a stand-in); `refusal` says why the addresses a name resolved to may not be reached, or None."""
-
-    lookup: Lookup
-
-    async def refusal(self, host: str, addresses: list[str]) -> str | None: ...
-
-
-async def system_lookup(host: str, port: int = 0, family: int = socket.AF_UNSPEC) -> list[ResolveResult]:
-    """`host`'s addresses from the system's resolver, as aiohttp's own resolver reads them."""
-    return await aiohttp.ThreadedResolver().resolve(host, port, socket.AddressFamily(family))
-
-
-class CheckedResolver(AbstractResolver):
-    """Resolves each name once per connection, checks every address it got against the policy and
-    hands aiohttp only checked addresses to connect to: a name that resolved to an allowed address
-    when its backend was added and resolves elsewhere later (DNS rebinding) is refused at that
-    connection. aiohttp resolves no IP address (one cannot change); `trusted` names (the proxies the
-    environment configures) are the operator's and resolved unchecked."""
-
-    def __init__(self, policy: AddressPolicy, trusted: frozenset[str] = frozenset()) -> None:
-        self._policy = policy
-        self._trusted = trusted
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        found = await self._policy.lookup(host, port, family)
-        if host.lower().rstrip(".") not in self._trusted:
-            why = await self._policy.refusal(host, [str(r["host"]) for r in found])
-            if why is not None:
-                raise RefusedAddress(why)
-        return found
-
-    async def close(self) -> None:
-        pass
 
 
 class AnswerTooLarge(TransportError):
@@ -149,104 +101,6 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_IDLE_S = 2.0
 USER_AGENT = "rollout-service"
 _KEPT_URLS = 1024
-# How often the requests in flight are checked against their deadlines: a deadline holds to within this.
-SWEEP_S = 0.05
-
-
-class _Deadlines:
-    """The deadlines of one transport's requests in flight, kept by one timer for them all. aiohttp's
-    own total timeout arms and cancels a timer per request and enters a timer context three times, ~3%
-    of a request's instructions. A request past its deadline has its task cancelled, as aiohttp's
-    timeout does, and `_send` turns that cancellation (and only that) into TransportTimeout."""
-
-    def __init__(self) -> None:
-        self._due: dict[asyncio.Task[Any], float] = {}
-        self.expired: set[asyncio.Task[Any]] = set()
-        self._sweep: asyncio.TimerHandle | None = None
-
-    def add(self, task: asyncio.Task[Any], deadline_s: float) -> None:
-        loop = task.get_loop()
-        self._due[task] = loop.time() + deadline_s
-        if self._sweep is None:
-            self._sweep = loop.call_later(SWEEP_S, self._expire, loop)
-
-    def remove(self, task: asyncio.Task[Any]) -> bool:
-        """Whether this task's request was cancelled for its deadline (the cancellation is then taken
-        back: it is TransportTimeout's to report, not the caller's)."""
-        del self._due[task]
-        if task not in self.expired:
-            return False
-        self.expired.discard(task)
-        task.uncancel()
-        return True
-
-    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._sweep = None
-        now = loop.time()
-        for task, due in self._due.items():
-            if due <= now and task not in self.expired:
-                self.expired.add(task)
-                task.cancel()
-        if self._due:
-            self._sweep = loop.call_later(SWEEP_S, self._expire, loop)
-
-    def close(self) -> None:
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
-
-
-class EnvProxies:
-    """The proxy each URL goes through, from HTTP_PROXY / HTTPS_PROXY / NO_PROXY as they were when
-    this was made, by the standard library's rules (as httpx read them; ALL_PROXY and ~/.netrc are
-    not used); each scheme and host is decided once."""
-
-    def __init__(self) -> None:
-        found = urllib.request.getproxies_environment()
-        self._bypass = found.get("no", "")
-        self._proxies: dict[str, tuple[str, dict[str, str]]] = {}
-        for scheme in ("http", "https"):
-            if not found.get(scheme):
-                continue
-            try:
-                proxy = urllib.parse.urlsplit(found[scheme])
-                _ = proxy.port  # a port that is not one raises here, not at every request
-            except ValueError as exc:
-                proxy = None
-                logger.warning("%s_PROXY=%s is not a URL (%s); requests go direct", scheme.upper(), found[scheme], exc)
-            if proxy is None:
-                continue
-            if proxy.scheme != "http":  # aiohttp speaks to plain-HTTP proxies only
-                logger.warning("%s_PROXY=%s is not an http:// proxy; requests go direct", scheme.upper(), found[scheme])
-                continue
-            headers = {}
-            if proxy.username is not None:
-                credentials = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
-                headers["Proxy-Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
-            self._proxies[scheme] = (proxy._replace(netloc=proxy.netloc.rpartition("@")[2]).geturl(), headers)
-        self._decided: dict[tuple[str, str], tuple[str, dict[str, str]] | None] = {}
-        # The proxies' own hosts: the operator's, connected to whatever they resolve to.
-        self.hosts = frozenset(
-            (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".") for url, _ in self._proxies.values()
-        )
-
-    def __call__(self, url: str) -> tuple[str, dict[str, str]] | None:
-        """The proxy's URL and the headers it is sent (its credentials), or None: go direct."""
-        if not self._proxies:
-            return None
-        parts = urllib.parse.urlsplit(url)
-        key = (parts.scheme, parts.netloc)
-        if key not in self._decided:
-            proxy = self._proxies.get(parts.scheme)
-            # NO_PROXY entries may name a host or a host:port, and an IPv6 one with or without brackets.
-            host_port, host = parts.netloc.rpartition("@")[2], parts.hostname or ""
-            # The standard library's own NO_PROXY rules (what getproxies and httpx follow); untyped in typeshed.
-            bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
-            no = {"no": self._bypass}
-            if proxy is not None and (bypass(host_port, no) or bypass(host, no)):
-                proxy = None
-            self._decided[key] = proxy
-        return self._decided[key]
 
 
 class HttpTransport:
@@ -291,9 +145,9 @@ class AiohttpTransport(HttpTransport):
         self.max_answer_bytes = max_answer_bytes
         self.address_policy = address_policy  # None: any address the system resolves a name to
         self._timeout_s = timeout_s
-        # A request's whole deadline is kept by _Deadlines; aiohttp bounds only the making of a connection.
+        # A request's whole deadline is kept by DeadlineSweep; aiohttp bounds only the making of a connection.
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s)
-        self._deadlines = _Deadlines()
+        self._deadlines = DeadlineSweep()
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self.proxy_for = EnvProxies()
@@ -390,7 +244,7 @@ class AiohttpTransport(HttpTransport):
         except aiohttp.InvalidUrlClientError as exc:
             # yarl takes only the canonical dotted form of an IPv4 address: "127.1" is 127.0.0.1, as
             # the system's resolver reads it. Anything else it refuses is no connection.
-            canonical = _canonical_ipv4(url)
+            canonical = canonical_ipv4(url)
             if canonical is None:
                 raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
             return await self._exchange(session, method, canonical, body, headers)
@@ -433,21 +287,6 @@ class AiohttpTransport(HttpTransport):
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
-
-
-def _canonical_ipv4(url: str) -> str | None:
-    """`url` with its host written as the canonical dotted IPv4 address it stands for (inet_aton's
-    reading, as the resolver's: "127.1", "2130706433"); None where it is no such host or is already."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    try:
-        canonical = socket.inet_ntoa(socket.inet_aton(host))
-    except OSError:
-        return None
-    if canonical == host:
-        return None
-    netloc = canonical if parts.port is None else f"{canonical}:{parts.port}"
-    return parts._replace(netloc=netloc).geturl()
 
 
 def make_transport(

@@ -24,7 +24,7 @@ import scripted_model
 from helpers import cli, wait_until
 from starlette.testclient import TestClient
 
-from inference.transport import system_lookup
+from inference.addresses import system_lookup
 from rollout_service.listening import read_port_file
 from rollout_service.tools.stack import refenv_command
 from rollout_service.trainer.client import RequestRejected, RolloutClient

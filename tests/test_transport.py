@@ -277,7 +277,7 @@ def test_no_proxy_names_ipv6_hosts_either_way_and_a_proxy_that_is_not_a_url_is_n
     """NO_PROXY=::1 (the usual spelling) and [::1] both cover http://[::1]:port; a proxy variable that
     cannot be parsed is warned about and not used, rather than failing the service's start. Breaks
     tried: only the host:port form checked -> [::1] proxied, fails; no try around the parse -> raises."""
-    from inference.transport import EnvProxies
+    from inference.proxies import EnvProxies
 
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     for no_proxy in ("localhost,::1", "[::1]"):

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import httpx
 
-from inference.transport import Lookup, system_lookup
+from inference.addresses import Lookup, system_lookup
 
 from .errors import Invalid
 

@@ -8,9 +8,9 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from inference.addresses import AddressPolicy
 from inference.transport import (
     DEFAULT_MAX_ANSWER_BYTES,
-    AddressPolicy,
     AddressRefused,
     AnswerTooLarge,
     ConnectRefused,
