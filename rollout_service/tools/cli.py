@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -256,12 +257,17 @@ def _add_keys(sub) -> None:
 def _keys(args: argparse.Namespace) -> int:
     from ..keys import ensure_key_file
 
+    return _write_secrets("keys", ensure_key_file, args.file)
+
+
+def _write_secrets(command: str, ensure: Callable[[Path, Mapping[str, str]], Path], file: Path) -> int:
+    """`keys` and `env-token`: the file written (or kept), or why not, as one line."""
     try:
-        path = ensure_key_file(args.file, os.environ)
+        path = ensure(file, os.environ)
     except (OSError, ValueError) as exc:
-        print(f"rollout-service keys: {exc}", file=sys.stderr)
+        print(f"rollout-service {command}: {exc}", file=sys.stderr)
         return 1
-    print(f"keys: {path}")
+    print(f"{command}: {path}")
     return 0
 
 
@@ -280,13 +286,7 @@ def _add_env_token(sub) -> None:
 def _env_token(args: argparse.Namespace) -> int:
     from ..keys import ensure_env_token
 
-    try:
-        path = ensure_env_token(args.file, os.environ)
-    except (OSError, ValueError) as exc:
-        print(f"rollout-service env-token: {exc}", file=sys.stderr)
-        return 1
-    print(f"env token: {path}")
-    return 0
+    return _write_secrets("env-token", ensure_env_token, args.file)
 
 
 def _add_measure(sub) -> None:
