@@ -210,11 +210,15 @@ class AiohttpTransport(HttpTransport):
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("an HTTP request must run in a task")
+        # Counted against what the task had before: a request made in cleanup after a cancellation
+        # (its task still cancelling) keeps its deadline as TransportTimeout.
+        cancelling = task.cancelling()
         self._deadlines.add(task, self._timeout_s if deadline_s is None else deadline_s)
         try:
             answer = await self._exchange(session, method, url, body, headers)
         except BaseException as exc:
-            if not self._deadlines.remove(task) or (isinstance(exc, asyncio.CancelledError) and task.cancelling()):
+            expired = self._deadlines.remove(task)
+            if not expired or (isinstance(exc, asyncio.CancelledError) and task.cancelling() > cancelling):
                 raise  # not past its deadline, or cancelled by its caller as well
             raise TransportTimeout("no answer in time") from None
         self._deadlines.remove(task)  # past its deadline as the answer came: the answer stands

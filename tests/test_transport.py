@@ -601,3 +601,53 @@ def test_a_request_cancelled_or_timed_out_closes_its_connection():
             server.server.close()
 
     asyncio.run(go())
+
+
+def test_a_request_made_while_its_task_is_being_cancelled_still_times_out_as_no_answer():
+    """Cleanup after a cancellation (a DELETE in an `except CancelledError:` before the re-raise)
+    runs in a task whose cancellation is still counted. Its request's own deadline is still
+    TransportTimeout, which such cleanup retries on, not a CancelledError that would end it; a
+    cancellation that arrives during the request stays the caller's. Break tried: the caller's
+    cancellation judged by task.cancelling() alone, not against its count when the request began
+    (fails: CancelledError)."""
+
+    async def go():
+        server = _ScriptedServer()
+        url = await server.start()
+        transport = AiohttpTransport(timeout_s=5.0)
+        outcomes: list[str] = []
+
+        async def cleanup_after_cancel() -> None:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                assert task is not None and task.cancelling() == 1
+                try:
+                    await transport.request("DELETE", f"{url}/slow", timeout=0.2)
+                except TransportTimeout:
+                    outcomes.append("timeout")
+                assert task.cancelling() == 1  # the caller's cancellation, still counted
+                # A second cancellation during the cleanup's request is the caller's again.
+                during = asyncio.ensure_future(transport.request("DELETE", f"{url}/slow", timeout=30.0))
+                await asyncio.sleep(0)
+                during.cancel()
+                try:
+                    await during
+                except asyncio.CancelledError:
+                    outcomes.append("cancelled")
+                raise
+
+        try:
+            cleaner = asyncio.ensure_future(cleanup_after_cancel())
+            await asyncio.sleep(0)
+            cleaner.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cleaner
+            assert outcomes == ["timeout", "cancelled"]
+        finally:
+            await transport.aclose()
+            server.release.set()
+            server.server.close()
+
+    asyncio.run(go())
