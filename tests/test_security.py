@@ -446,7 +446,8 @@ def test_a_checkpoint_whose_files_link_out_of_the_root_is_refused_and_the_resolv
     link inside the root is loaded by its resolved path (what the model server was told, from its
     own record). Breaks tried: the old check (config and *.safetensors only) -> the *.bin, tokenizer
     and sub-folder links were accepted and loaded, fails; the path forwarded as given -> the server
-    was told root/alias, fails."""
+    was told root/alias, fails; linked sub-folders inside the root not walked into -> the link out
+    of the root behind one was accepted, fails."""
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
@@ -468,6 +469,15 @@ def test_a_checkpoint_whose_files_link_out_of_the_root_is_refused_and_the_resolv
         r = post_policy(service, version="v-bad", lora={"path": str(folder)})
         assert r.status_code == 422 and r.json()["error"] == "checkpoint_refused", (case, r.text)
         assert REFUSED_UNDER_ROOT in r.json()["message"], (case, r.text)
+    # A sub-folder linked to a folder inside the root is walked too: a link out of the root in there
+    # is read by the engine all the same.
+    elsewhere = root / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "extra.bin").symlink_to(outside / "secret.bin")
+    folder = Path(lora_folder(root / "a-linked-sub-folder-inside-the-root"))
+    (folder / "shards").symlink_to(elsewhere)
+    r = post_policy(service, version="v-bad", lora={"path": str(folder)})
+    assert r.status_code == 422 and r.json()["error"] == "checkpoint_refused", r.text
     weights = root / "weights-with-a-leak"
     weights.mkdir()
     (weights / "config.json").write_text("{}")
@@ -480,6 +490,7 @@ def test_a_checkpoint_whose_files_link_out_of_the_root_is_refused_and_the_resolv
     # Links that stay inside the root are fine; the model server is told where they lead.
     real = Path(lora_folder(root / "adapters" / "v1"))
     (real / "tokenizer.json").symlink_to(real / "adapter_config.json")
+    (real / "again").symlink_to(real)  # a loop of links inside the root is no reason to refuse
     (root / "alias").symlink_to(real)
     r = post_policy(service, version="v1", lora={"path": str(root / "alias")})
     assert r.status_code == 200 and policy_version(service) == "v1", r.text

@@ -72,14 +72,23 @@ def _readable_checkpoint(path: str, config_name: str, root: str | None) -> Path 
 
 def _entries_inside(folder: Path, inside: Callable[[Path], bool]) -> bool:
     """Every entry under `folder`, at any depth, resolves inside the root: a link anywhere in it that
-    leaves the root (a *.bin, a tokenizer file, a linked sub-folder) refuses the folder. Linked
-    folders are checked, not walked into."""
+    leaves the root (a *.bin, a tokenizer file, a linked sub-folder) refuses the folder. A linked
+    folder that stays inside the root is walked into as well (the engine reads through it), each real
+    folder once (a loop of links ends)."""
     seen = 0
-    for top, folders, files in os.walk(folder, followlinks=False, onerror=_raise):
+    walked = {folder.resolve(strict=True)}
+    for top, folders, files in os.walk(folder, followlinks=True, onerror=_raise):
         for name in (*folders, *files):
             seen += 1
             if seen > _MAX_CHECKPOINT_ENTRIES or not inside(Path(top) / name):
                 return False
+        unwalked = []
+        for name in folders:
+            real = (Path(top) / name).resolve(strict=True)
+            if real not in walked:
+                walked.add(real)
+                unwalked.append(name)
+        folders[:] = unwalked
     return True
 
 
