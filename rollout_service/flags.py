@@ -57,8 +57,16 @@ def _valid_listen(text: str) -> str:
 # A `HOST:PORT` setting, checked when the settings are read.
 ListenAddress = Annotated[str, AfterValidator(_valid_listen), Flag(metavar="HOST:PORT")]
 
+def _valid_port_file(path: str | None) -> str | None:
+    # Checked when the settings are read: written only once the server listens, a file in no folder
+    # would otherwise fail after the whole start-up.
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"{path!r}: its folder does not exist")
+    return path
+
+
 # Where a server writes the port it listens on, once it does (rollout_service/listening.py).
-PortFile = Annotated[str | None, Flag(metavar="PATH")]
+PortFile = Annotated[str | None, AfterValidator(_valid_port_file), Flag(metavar="PATH")]
 PORT_FILE_HELP = (
     "once listening, write the port to PATH (one line, replaced in one rename): with --listen HOST:0 the "
     "system picks the port, and a launcher reads it here"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -109,6 +110,21 @@ def test_a_server_that_exits_before_listening_is_reported_not_waited_for(tmp_pat
         assert "pool" in str(refused.value), str(refused.value)  # the log's tail says why
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("server", ["refenv", "service"])
+def test_a_port_file_in_no_folder_is_a_bad_flag_before_anything_starts(tmp_path: Path, server: str):
+    """A --port-file whose folder does not exist is the user's mistake: exit 2 naming the flag, no
+    traceback, before the server starts (not a FileNotFoundError once it listens). Break tried: the
+    flag unchecked (fails: a traceback from write_port_file, exit 1)."""
+    where = str(tmp_path / "no-such-folder" / "port")
+    if server == "refenv":
+        cmd = [*refenv_command(0, "--pool", "1"), "--port-file", where]
+    else:
+        cmd = [*service_command(0, ["http://127.0.0.1:9"], "http://127.0.0.1:9", model="m"), "--port-file", where]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "--port-file" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 # A stand-in for vLLM in the next test: a server on the port given, 200 to any GET, or a traceback
