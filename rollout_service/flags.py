@@ -57,6 +57,7 @@ def _valid_listen(text: str) -> str:
 # A `HOST:PORT` setting, checked when the settings are read.
 ListenAddress = Annotated[str, AfterValidator(_valid_listen), Flag(metavar="HOST:PORT")]
 
+
 def _valid_port_file(path: str | None) -> str | None:
     # Checked when the settings are read: written only once the server listens, a file in no folder
     # would otherwise fail after the whole start-up.
