@@ -220,6 +220,8 @@ class AiohttpTransport(HttpTransport):
             expired = self._deadlines.remove(task)
             if not expired or (isinstance(exc, asyncio.CancelledError) and task.cancelling() > cancelling):
                 raise  # not past its deadline, or cancelled by its caller as well
+            if not isinstance(exc, (Exception, asyncio.CancelledError)):
+                raise  # KeyboardInterrupt, SystemExit: the process's, whatever the deadline
             raise TransportTimeout("no answer in time") from None
         self._deadlines.remove(task)  # past its deadline as the answer came: the answer stands
         return answer

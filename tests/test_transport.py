@@ -651,3 +651,29 @@ def test_a_request_made_while_its_task_is_being_cancelled_still_times_out_as_no_
             server.server.close()
 
     asyncio.run(go())
+
+
+def test_an_interrupt_at_a_requests_deadline_is_the_processs_not_a_timeout():
+    """A KeyboardInterrupt (or SystemExit) raised where the deadline's cancellation landed is the
+    process's to handle, not an answer that did not come. A stand-in `_exchange`: an interrupt cannot
+    be made to land inside aiohttp's read on demand. Break tried: every exception past the deadline
+    made TransportTimeout (fails: TransportTimeout raised)."""
+
+    async def go():
+        transport = AiohttpTransport(timeout_s=5.0)
+
+        async def interrupted(*_args, **_kwargs):
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise KeyboardInterrupt from None
+
+        transport._exchange = interrupted  # type: ignore[method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                await transport.request("GET", "http://127.0.0.1:9/x", timeout=0.1)
+            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
