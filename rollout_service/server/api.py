@@ -37,7 +37,7 @@ from ..protocol import (
 from .errors import Invalid, shutting_down
 from .health_detail import HealthDetail
 from .service import RolloutService
-from .stream_out import BoundedStream, HeldResults
+from .stream_out import BoundedStream, HeldResults, disconnected
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -49,19 +49,11 @@ def _service(request: Request) -> RolloutService:
     return request.app.state.service
 
 
-def _ready(request: Request) -> RolloutService:
+def ready(request: Request) -> RolloutService:
     """The service, or 503 `starting` (with what it waits for) while its backends are not all up."""
     service = _service(request)
     service.lifecycle.refuse_unless_ready()
     return service
-
-
-async def _disconnected(request: Request) -> None:
-    """Return when the client goes away (after the body is read, receive() waits for that)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
@@ -71,7 +63,7 @@ def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[.
     @functools.wraps(handler)
     async def wrapper(*args: Any, **kwargs: Any) -> Response:
         work = asyncio.ensure_future(handler(*args, **kwargs))
-        watcher = asyncio.ensure_future(_disconnected(kwargs["request"]))
+        watcher = asyncio.ensure_future(disconnected(kwargs["request"]))
         try:
             await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
@@ -131,7 +123,7 @@ async def _stream(
     """Each group's line as it finishes; a finished group is dropped here once sent."""
     pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
     del tasks
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(disconnected(request))
     try:
         while pending:
             done, _ = await asyncio.wait([*pending, watcher], return_when=asyncio.FIRST_COMPLETED)
@@ -163,7 +155,7 @@ def _error_line(index: int, error: str, message: str) -> bytes:
 
 @router.get("/policy", response_model=PolicyState, summary="The policy version served, per replica, and recent updates")
 async def get_policy(request: Request) -> PolicyState:
-    return _ready(request).replicas.versions.state()
+    return ready(request).replicas.versions.state()
 
 
 @router.post(
@@ -177,7 +169,7 @@ async def get_policy(request: Request) -> PolicyState:
 )
 async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResult:
     # Not cancelled with its client: an update half-applied to the replicas must finish either way.
-    return await asyncio.shield(_ready(request).replicas.versions.update(body))
+    return await asyncio.shield(ready(request).replicas.versions.update(body))
 
 
 @router.post(
@@ -190,7 +182,7 @@ async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResul
     "routing (the reason in /health/detail). 422 pause_too_long past --max-pause-timeout.",
 )
 async def pause_policy(request: Request, body: PauseRequest | None = None) -> PolicyState:
-    service = _ready(request)
+    service = ready(request)
     config = service.config
     timeout_s = config.pause_timeout if body is None or body.timeout_s is None else body.timeout_s
     if timeout_s > config.max_pause_timeout:
@@ -203,7 +195,7 @@ async def pause_policy(request: Request, body: PauseRequest | None = None) -> Po
 
 @router.get("/envs", response_model=list[EnvState], summary="The envs scheduled on, with their pools and slots held")
 async def list_envs(request: Request) -> list[EnvState]:
-    envs = _ready(request).envs
+    envs = ready(request).envs
     return [envs.state(env) for env in envs.envs.values()]
 
 
@@ -307,7 +299,7 @@ async def health_detail(request: Request) -> HealthDetail:
 
 @router.get("/tasks", summary="Tasks served by the envs")
 async def tasks(request: Request) -> dict:
-    listed = _ready(request).envs.task_list()
+    listed = ready(request).envs.task_list()
     return {"tasks": listed, "count": len(listed)}
 
 

@@ -12,22 +12,16 @@ from fastapi.responses import Response
 
 from ..protocol import ErrorBody
 from ..sampler_protocol import SampleRequest, StreamCreate, StreamPull, StreamState, TaskStats
+from .api import ready
 from .errors import Conflict
 from .sampler import Sampler
 from .sampler_streams import dropped_line, sample_summary, summary_line
-from .service import RolloutService
 from .stream_out import BoundedStream, HeldResults
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 410, 413, 422, 429, 503)
 }
-
-
-def _ready(request: Request) -> RolloutService:
-    service: RolloutService = request.app.state.service
-    service.lifecycle.refuse_unless_ready()
-    return service
 
 
 @router.post(
@@ -39,7 +33,7 @@ def _ready(request: Request) -> RolloutService:
     "why it stopped: complete is false when the budget ran out first)",
 )
 async def sample(body: SampleRequest, request: Request) -> Response:
-    service = _ready(request)
+    service = ready(request)
     held = HeldResults(service)
     sampler = Sampler(service, body, body.budget, lambda: body.count - sampler.tally.kept, held)
     sampler.check_first()  # what would refuse every group is an HTTP error, before any line
@@ -92,13 +86,13 @@ async def _sample_lines(sampler: Sampler, count: int, held: HeldResults) -> Asyn
     summary="Open a sampler stream: groups are generated into a bounded buffer while the trainer trains",
 )
 async def create_stream(body: StreamCreate, request: Request) -> StreamState:
-    service = _ready(request)
+    service = ready(request)
     return service.samplers.create(body).state()
 
 
 @router.get("/samplers/{stream_id}", response_model=StreamState, responses=_ERRORS, summary="A stream's state")
 async def stream_state(stream_id: str, request: Request) -> StreamState:
-    return _ready(request).samplers.get(stream_id).state()
+    return ready(request).samplers.get(stream_id).state()
 
 
 @router.post(
@@ -112,7 +106,7 @@ async def stream_state(stream_id: str, request: Request) -> StreamState:
     "made by this process (a restart)",
 )
 async def pull(stream_id: str, body: StreamPull, request: Request) -> Response:
-    service = _ready(request)
+    service = ready(request)
     stream = service.samplers.get(stream_id)
     if stream.pulling:
         raise Conflict("pull_in_progress", f"sampler stream {stream_id} is being pulled from already")
@@ -134,7 +128,7 @@ async def pull(stream_id: str, body: StreamPull, request: Request) -> Response:
     "/samplers/{stream_id}", response_model=StreamState, responses=_ERRORS, summary="Close a stream, cancel its groups"
 )
 async def delete_stream(stream_id: str, request: Request) -> StreamState:
-    service = _ready(request)
+    service = ready(request)
     stream = await service.samplers.remove(stream_id, "deleted by DELETE /samplers/{id}")
     return stream.state()
 
@@ -145,4 +139,4 @@ async def delete_stream(stream_id: str, request: Request) -> StreamState:
     summary="Per task and policy version: groups, graded attempts, mean reward, pass rate, share with signal",
 )
 async def task_stats(request: Request, task_id: list[str] | None = Query(None)) -> list[TaskStats]:
-    return _ready(request).task_stats.stats(task_id)
+    return ready(request).task_stats.stats(task_id)

@@ -84,7 +84,7 @@ class BoundedStream(StreamingResponse):
         self.stalled = False
 
     async def stream_response(self, send: Send) -> None:
-        watcher = asyncio.ensure_future(_disconnected(self.request)) if self.request is not None else None
+        watcher = asyncio.ensure_future(disconnected(self.request)) if self.request is not None else None
         step: asyncio.Future[bytes] | None = None
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -129,7 +129,7 @@ class BoundedStream(StreamingResponse):
                         self.on_end()
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Return when the client goes away (after the body is read, receive() waits for that)."""
     while True:
         message = await request.receive()
