@@ -543,14 +543,14 @@ class Run:
                     if stream is None:
                         stream = self.open_stream()
                     pulled = self.client.pull(stream.id, s.groups_per_step, timeout_s=s.pull_timeout_s)
+                    generation = stream_generation(pulled)
                     if len(pulled.groups) < s.groups_per_step:
                         # A policy whose groups never differ (every attempt failed alike) gives GRPO nothing:
                         # a finding to report with the measurements so far, not a crash.
                         why = (
                             f"grpo step {k + 1}: the stream handed out {len(pulled.groups)} of {s.groups_per_step} "
-                            f"groups: {pulled.summary.stopped}; dropped so far "
-                            f"{pulled.summary.stream.dropped if pulled.summary.stream else pulled.summary.dropped} of "
-                            f"{pulled.summary.stream.groups_run if pulled.summary.stream else '?'} groups run"
+                            f"groups: {pulled.summary.stopped}; dropped so far {generation['dropped']} of "
+                            f"{generation['groups_run']} groups run"
                         )
                         self.log.write("grpo_stopped", step=self.step, grpo_step=k + 1, reason=why)
                         say(f"[grpo] stopped: {why}")
@@ -558,7 +558,6 @@ class Run:
                             self.measure(f"grpo {k}")
                         break
                     groups, service_lags, bound = pulled.groups, list(pulled.lags), s.max_staleness
-                    generation = stream_generation(pulled)
                 waited = time.monotonic() - started
                 trained = [self.trained_group(g, lag) for g, lag in zip(groups, service_lags, strict=True)]
                 too_old = [t for t in trained if t["lag"] > bound]
