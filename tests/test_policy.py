@@ -170,8 +170,6 @@ def metric(service: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-@pytest.mark.alone  # vLLM's CPU build answers a base-model request batched beside another test's adapter
-# requests with that adapter applied (docs/guarantees.md): the base group must not share a batch with them
 def test_adapter_versions_answer_as_their_weights(start_refenv, start_service, vllm_url, tmp_path):
     env = start_refenv("--pool", "2")
     service = start_service([env.url]).url
@@ -242,14 +240,16 @@ def _stream_batch(service: str, groups: list[dict], lines: list[dict]) -> thread
 
 
 def test_update_mid_batch_each_turn_names_the_weights_that_made_it(start_refenv, start_service, vllm_url, tmp_path):
-    env = start_refenv("--pool", "4")
+    # Each env step takes a second, so that the batch outlasts the update by far on a loaded machine.
+    env = start_refenv("--pool", "4", "--latency-ms", "1000")
     service = start_service([env.url]).url
-    batch = [{"task_id": f"t00{i % 4 + 1}", "n": 1, "sampling": GREEDY, "max_turns": 3} for i in range(6)]
+    strong = make_adapter(tmp_path / "strong", 5.0)  # before the batch: a first torch import takes seconds
+    batch = [{"task_id": f"t00{i % 4 + 1}", "n": 1, "sampling": GREEDY, "max_turns": 3} for i in range(8)]
     lines: list[dict] = []
     thread = _stream_batch(service, batch, lines)
     # Some turns done on the base weights, most of the batch still to run: update now.
     assert wait_until(lambda: metric(service, "rollout_turns_total", version="base") >= 3, timeout_s=300)
-    update = post_policy(service, version="strong", lora={"path": make_adapter(tmp_path / "strong", 5.0)})
+    update = post_policy(service, version="strong", lora={"path": strong})
     assert update.status_code == 200, update.text
     strong_name = policy(service)["served_model"]
     thread.join(900)
