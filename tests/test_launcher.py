@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+from helpers import wait_until
 
 from rollout_service.tools.stack import ManagedProcess
 
@@ -95,10 +96,13 @@ def test_the_pid_it_gives_is_the_commands_own_not_its_guards(tmp_path):
     (proc.proc.pid) -> the cmdline is the guard's, and a SIGKILL to it leaves the command running,
     fails."""
     command = "import time; print('ready', flush=True); time.sleep(600)"
-    proc = ManagedProcess("sleeper", [sys.executable, "-c", command], tmp_path / "sleeper.log", die_with_parent=True)
+    log = tmp_path / "sleeper.log"
+    proc = ManagedProcess("sleeper", [sys.executable, "-c", command], log, die_with_parent=True)
     proc.start()
     try:
         assert proc.pid is not None and proc.proc is not None
+        # Until the command runs (the guard's fork has exec'd it), its cmdline may read empty.
+        assert wait_until(lambda: log.exists() and "ready" in log.read_text(), timeout_s=60)
         server = psutil.Process(proc.pid)
         assert server.cmdline() == [sys.executable, "-c", command] and server.ppid() == proc.proc.pid
         server.send_signal(signal.SIGKILL)
