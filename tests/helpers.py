@@ -6,10 +6,12 @@ import random
 import subprocess
 import sys
 import time
+from functools import cache
 from pathlib import Path
 
 import httpx
 
+from inference import embedded_model
 from rollout_service.tools.stack import port_in_use
 
 
@@ -126,3 +128,22 @@ def results_alive(held: list[object] | None = None) -> list[str]:
     some run code when asked (torch's deprecated reduce_op warns)."""
     before = {id(o) for o in held or ()}
     return [type(o).__name__ for o in _results() if id(o) not in before]
+
+
+@cache
+def _base_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(embedded_model.cache_dir()), dtype=torch.float32).eval()
+
+
+def base_token_logprobs(ids: list[int]) -> list[float]:
+    """The embedded model's own logprob of each token after the ones before it (`ids[1:]`), recomputed
+    in float32 by transformers: an oracle for logprobs independent of vLLM."""
+    import torch
+
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        logits = _base_model()(tokens).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, tokens[0, 1:, None])[:, 0].tolist()

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from helpers import assert_accounted
+from helpers import assert_accounted, base_token_logprobs
 
 from inference import embedded_model
 from inference.json_body import dumps
@@ -196,25 +196,17 @@ def test_logprobs_without_a_constraint_agree_with_transformers(exact_run):
     quiet server and up to ~0.06 while other tests' requests share its batches (batch shapes change
     the kernels' rounding); the same logprobs read one position off are ~2 nats away, so the bounds
     below still tell the policy's own logprobs from misaligned or other weights' ones."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.float32)
-    model.eval()
     deltas: list[float] = []
     shifted: list[float] = []  # the same logprobs against the next position's: what misalignment gives
     for attempt in attempts_of(exact_run[1]):
         assert all(not t["constrained"] for t in attempt["turns"])
         for segment in attempt["trajectory"]:
-            ids = torch.tensor([segment["token_ids"]])
-            with torch.no_grad():
-                logits = model(ids).logits[0].float()
-            own = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+            own = base_token_logprobs(segment["token_ids"])
             for position, (mask, lp) in enumerate(zip(segment["loss_mask"], segment["logprobs"], strict=True)):
                 if mask:
-                    deltas.append(lp - own[position - 1].item())
+                    deltas.append(lp - own[position - 1])
                     if position < len(own):
-                        shifted.append(abs(lp - own[position].item()))
+                        shifted.append(abs(lp - own[position]))
     assert len(deltas) >= 30
     absolute = [abs(d) for d in deltas]
     print("agreement:", len(deltas), "tokens; mean |d|", statistics.mean(absolute), "max", max(absolute))

@@ -10,11 +10,11 @@ import inspect
 import statistics
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
 
 import httpx
 import pytest
 import torch
+from helpers import base_token_logprobs
 from test_policy import MODEL, make_adapter
 
 from inference import embedded_model, vllm_plugin
@@ -66,22 +66,6 @@ def test_the_probe_tells_a_faulty_op_from_a_fixed_one():
         pytest.skip("this vLLM's CPU ops skip tokens without an adapter: the plugin patches nothing")
 
 
-@cache
-def base_model():
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(embedded_model.cache_dir()), dtype=torch.float32)
-    return model.eval()
-
-
-def base_logprobs(prompt: list[int], completion: list[int]) -> list[float]:
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = base_model()(ids).logits[0].float()
-    chosen = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).gather(1, ids[0, len(prompt) :, None])
-    return chosen[:, 0].tolist()
-
-
 def complete(vllm: str, model: str, prompt: list[int]) -> tuple[list[int], list[float]]:
     body = {
         "model": model,
@@ -100,7 +84,8 @@ def complete(vllm: str, model: str, prompt: list[int]) -> tuple[list[int], list[
 
 def gap_from_base(prompt: list[int], completion: tuple[list[int], list[float]]) -> float:
     ids, logprobs = completion
-    return statistics.mean(abs(a - b) for a, b in zip(logprobs, base_logprobs(prompt, ids), strict=True))
+    base = base_token_logprobs(prompt + ids)[len(prompt) - 1 :]  # those of the completion's tokens
+    return statistics.mean(abs(a - b) for a, b in zip(logprobs, base, strict=True))
 
 
 def test_base_model_answers_batched_beside_adapters_are_the_base_models(vllm_url, tmp_path):
