@@ -105,6 +105,7 @@ class Settings:
     eval_every: int = setting(2, "GRPO steps between measurements")
     lr: float = setting(2e-4, "SFT learning rate")
     grpo_lr: float = setting(5e-5, "GRPO learning rate")
+    grpo_minibatches: int = setting(1, "GRPO: optimizer steps per GRPO step, each on a share of its trajectories")
     clip: float = setting(0.2, "GRPO importance-ratio clip")
     max_tokens: int = setting(96, "completion tokens per turn")
     temperature: float = setting(1.0, "sampling temperature of the policy's groups and measurements")
@@ -239,6 +240,8 @@ class Policy:
         self.torch = torch
         self.trained_tokens = 0
         self.train_seconds = 0.0
+        self.grpo_steps = 0
+        self._grpo_optimizer: Any = None
 
     def token_logprobs(self, ids: Any) -> Any:
         """log p(token t | tokens < t) for t >= 1, for one row of ids."""
@@ -302,26 +305,46 @@ class Policy:
         }
 
     def grpo_step(self, attempts: list[Attempt]) -> dict:
+        """One GRPO step on these attempts: `--grpo-minibatches` optimizer steps, each over its share of
+        the trajectories. One optimizer for the whole stage, so Adam's moments carry from step to step
+        (a fresh one would make every update a sign step of the learning rate's size). The first
+        minibatch's ratios are 1 up to the agreement of the two engines; the later ones' show how far
+        the step has moved the policy, and the clip bounds it."""
         torch = self.torch
         batch = token_batch(attempts, pad_token_id=self.tokenizer.pad_token_id or 0, tensors="pt")
         rows = batch["input_ids"].shape[0]
         if rows == 0:
             return {"rows": 0, "loss": None}
-        optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.settings.grpo_lr)
+        if self._grpo_optimizer is None:
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            self._grpo_optimizer = torch.optim.AdamW(trainable, lr=self.settings.grpo_lr)
+        optimizer = self._grpo_optimizer
+        order = list(range(rows))
+        random.Random(self.settings.seed + self.grpo_steps).shuffle(order)
+        parts = max(1, min(self.settings.grpo_minibatches, rows))
+        minibatches = [order[i::parts] for i in range(parts)]
         self.model.train()
         started = time.monotonic()
         losses, ratios = [], []
-        for row in range(rows):
-            loss, info = self.grpo_loss(batch, row)
-            (loss / rows).backward()
-            losses.append(loss.item())
-            ratios.append(info["ratio_mean"])
-            self.trained_tokens += info["length"]
-        optimizer.step()
-        optimizer.zero_grad()
+        for minibatch in minibatches:
+            for row in minibatch:
+                loss, info = self.grpo_loss(batch, row)
+                (loss / len(minibatch)).backward()
+                losses.append(loss.item())
+                ratios.append(info["ratio_mean"])
+                self.trained_tokens += info["length"]
+            optimizer.step()
+            optimizer.zero_grad()
+        self.grpo_steps += 1
         self.train_seconds += time.monotonic() - started
         self.model.eval()
-        return {"rows": rows, "loss": statistics.mean(losses), "ratio_mean": statistics.mean(ratios)}
+        return {
+            "rows": rows,
+            "optimizer_steps": len(minibatches),
+            "loss": statistics.mean(losses),
+            "ratio_mean": statistics.mean(ratios),
+            "ratio_mean_last_minibatch": statistics.mean(ratios[-len(minibatches[-1]) :]),
+        }
 
     def agreement(self, attempts: list[Attempt]) -> dict:
         """|Δ logprob| between the service's logprobs and these weights' own, over the sampled tokens
