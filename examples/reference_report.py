@@ -117,7 +117,19 @@ def _eval_row(record: dict, stage: str) -> dict:
         "pass rate": round(record["pass_rate"], 3) if record["pass_rate"] is not None else None,
         "95% interval": f"[{lo:.3f}, {hi:.3f}]",
         "eval mean reward": round(record["mean_reward"], 3) if record.get("mean_reward") is not None else None,
+        "reward 95% interval": _interval(record.get("mean_reward_ci95")),
     }
+
+
+def _interval(bounds: list[float] | None) -> str | None:
+    return None if bounds is None else f"[{bounds[0]:.3f}, {bounds[1]:.3f}]"
+
+
+def _apart(a: list[float] | None, b: list[float] | None) -> bool | None:
+    """Whether two 95% intervals do not overlap; None where either is missing."""
+    if a is None or b is None:
+        return None
+    return a[0] > b[1] or b[0] > a[1]
 
 
 _STAGE_NAMES = {"base": "base model", "distil": "after distillation", "rs": "after rejection sampling"}
@@ -145,12 +157,31 @@ def grpo_effect(records: list[dict]) -> str | None:
     a, b = before[-1], after[-1]
     if a["pass_rate"] is None or b["pass_rate"] is None:
         return None
-    overlap = a["wilson95"][0] <= b["wilson95"][1] and b["wilson95"][0] <= a["wilson95"][1]
-    verdict = "the 95% intervals overlap: inside the noise" if overlap else "the 95% intervals do not overlap"
-    return (
-        f"GRPO's effect on the eval side: {a['passes']}/{a['graded']} before ({a['version']}) -> "
+    apart = _apart(a["wilson95"], b["wilson95"])
+    verdict = "the 95% intervals do not overlap" if apart else "the 95% intervals overlap: inside the noise"
+    said = (
+        f"GRPO's effect on the eval side: {a['passes']}/{a['graded']} passed before ({a['version']}) -> "
         f"{b['passes']}/{b['graded']} after ({b['version']}); {verdict}."
     )
+    rewards = _apart(a.get("mean_reward_ci95"), b.get("mean_reward_ci95"))
+    if rewards is not None:
+        said += (
+            f" Mean reward {a['mean_reward']:.3f} {_interval(a['mean_reward_ci95'])} -> {b['mean_reward']:.3f} "
+            f"{_interval(b['mean_reward_ci95'])}: "
+            + ("the intervals do not overlap." if rewards else "the intervals overlap: inside the noise.")
+        )
+    return said
+
+
+# What a run's GRPO steps compared, by the modes they ran: the record's title and its table's.
+_COMPARED = {
+    frozenset({"sync", "overlap"}): (
+        "sync vs sampler stream",
+        "GRPO: the trainer picking tasks and waiting (sync) vs the sampler stream (overlap)",
+    ),
+    frozenset({"overlap"}): ("sampler stream", "GRPO: the sampler stream (overlap)"),
+    frozenset({"sync"}): ("sync", "GRPO: the trainer picking tasks and waiting (sync)"),
+}
 
 
 def bench_record(records: list[dict], summary: dict, argv: list[str]) -> dict:
@@ -161,6 +192,9 @@ def bench_record(records: list[dict], summary: dict, argv: list[str]) -> dict:
         sys.path.remove(str(ROOT / "bench"))
     settings = summary["settings"]
     stages = "GRPO from the base model" if settings["grpo_only"] else "distil, rejection sampling, GRPO"
+    modes = frozenset(s["mode"] for s in grpo_steps(records))
+    compared, table_title = _COMPARED.get(modes, ("no GRPO step", "GRPO"))
+    waited = "teacher, RS, sync GRPO" if not settings["grpo_only"] else "sync GRPO"
     agreement = (summary.get("agreement") or {}).get("unconstrained")
     stopped = next((r["reason"] for r in records if r["kind"] == "grpo_stopped"), None)
     notes = [
@@ -173,10 +207,16 @@ def bench_record(records: list[dict], summary: dict, argv: list[str]) -> dict:
         f"max_staleness {settings['max_staleness']}, signal filter, difficulty skip above "
         f"{settings['skip_pass_rate_above']} / below {settings['skip_pass_rate_below']}. Each lag is counted "
         "by the trainer from its own update log and the group's oldest turn, and checked before training.",
-        f"Whole run {summary['wall_seconds'] / 60:.0f} minutes; generation {summary['generation_tokens_per_s']} "
-        "completion tokens/s (over the groups waited for: teacher, RS, sync GRPO), training "
-        f"{summary['training_tokens_per_s']} tokens/s (float32); trainer and vLLM "
-        "share the CPU, so the overlapped steps' generation competes with their training.",
+        f"Whole run {summary['wall_seconds'] / 60:.0f} minutes; "
+        + (
+            f"generation {summary['generation_tokens_per_s']} completion tokens/s (over the groups waited for: "
+            f"{waited}), "
+            if summary["generation_tokens_per_s"]
+            else ""
+        )
+        + f"training {summary['training_tokens_per_s']} tokens/s (float32, {settings.get('grpo_minibatches', 1)} "
+        "optimizer step(s) a GRPO step); trainer and vLLM share the CPU, so the overlapped steps' generation "
+        "competes with their training.",
     ]
     if agreement:
         notes.append(
@@ -186,14 +226,14 @@ def bench_record(records: list[dict], summary: dict, argv: list[str]) -> dict:
     rows = eval_rows(records)
     made = record.make(
         "reference_trainer",
-        f"Reference trainer: {stages} on the embedded model, sync vs sampler stream",
+        f"Reference trainer: {stages} on the embedded model, {compared}",
         rows,
         notes=" ".join(n for n in notes if n),
         argv=argv,
     )
     made["figures"]["tables"] = [
         {
-            "title": "GRPO: the trainer picking tasks and waiting (sync) vs the sampler stream (overlap)",
+            "title": table_title,
             "rows": grpo_comparison(records, settings["grpo_n"]),
         }
     ]
@@ -227,8 +267,11 @@ def plot(records: list[dict], path: Path, title: str) -> None:
         ax.errorbar(steps, rates, yerr=[lows, highs], fmt="s-", color="C1", capsize=4,
                     label="eval pass rate (95% Wilson)")  # fmt: skip
         rewarded = [r for r in evals if r.get("mean_reward") is not None]
-        ax.plot([r["step"] for r in rewarded], [r["mean_reward"] for r in rewarded], "d--", color="C2",
-                label="eval mean reward")  # fmt: skip
+        bounds = [r.get("mean_reward_ci95") or [r["mean_reward"]] * 2 for r in rewarded]
+        ax.errorbar([r["step"] for r in rewarded], [r["mean_reward"] for r in rewarded],
+                    yerr=[[r["mean_reward"] - b[0] for r, b in zip(rewarded, bounds, strict=True)],
+                          [b[1] - r["mean_reward"] for r, b in zip(rewarded, bounds, strict=True)]],
+                    fmt="d--", color="C2", capsize=3, label="eval mean reward (95% interval)")  # fmt: skip
     ax.set_xlabel("policy version (step)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize="small")

@@ -462,6 +462,7 @@ class Run:
             pass_rate=m["pass_rate"],
             wilson95=m["wilson95"],
             mean_reward=m["mean_reward"],
+            mean_reward_ci95=m["mean_reward_ci95"],
             passes=m["passes"],
             graded=m["graded"],
             tasks=m["tasks"],

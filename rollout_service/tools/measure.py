@@ -28,6 +28,17 @@ def wilson_interval(passes: int, trials: int, z: float = Z95) -> tuple[float, fl
     return lo, hi
 
 
+def mean_interval(values: list[float], z: float = Z95) -> tuple[float, float] | None:
+    """The normal-approximation interval of a mean (95% by default): mean ± z·s/√n, with s the sample
+    standard deviation. None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    half = z * sd / math.sqrt(len(values))
+    return mean - half, mean + half
+
+
 def resolution_floor(trials: int, z: float = Z95) -> float:
     """The smallest difference between two pass rates measured like this one that is not noise:
     the width of the 95% interval at p = 0.5 (its widest), for this many trials."""
@@ -116,6 +127,9 @@ def summarize_measurement(groups: list[GroupResult], service: RolloutService, re
         "wilson95": [lo, hi],
         "resolution_floor": resolution_floor(len(graded)),
         "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+        # Shaped rewards give partial credit: where few attempts pass, the mean reward moves before the
+        # pass rate does, and its interval says whether it moved more than the noise.
+        "mean_reward_ci95": mean_interval(rewards),
         "by_category": {k: {"passes": v[0], "scored": v[1]} for k, v in sorted(categories.items())},
         "model": groups[0].model if groups else None,
         "env": contract.model_dump() if contract else None,
@@ -130,7 +144,9 @@ def format_measurement(m: dict) -> str:
         f"{m['passes']}/{m['graded']} attempts: {m['scored']} graded by the env, {m['policy_failures']} failed by "
         f"the policy itself (counted as not passed); {m['unscorable']} unscorable (infrastructure, excluded); "
         f"{m['scheduled']} scheduled",
-        f"mean reward {'-' if m['mean_reward'] is None else format(m['mean_reward'], '.3f')}; "
+        f"mean reward {'-' if m['mean_reward'] is None else format(m['mean_reward'], '.3f')}"
+        + ("" if m["mean_reward_ci95"] is None else " (95% interval {:.3f} .. {:.3f})".format(*m["mean_reward_ci95"]))
+        + "; "
         f"at most {m['max_turns']} model calls per episode; sampling {json.dumps(m['sampling'])}",
         f"resolution floor: with {m['graded']} attempts ({m['tasks']} tasks x {m['repeats']} repeats), "
         f"two checkpoints whose pass rates differ by less than {m['resolution_floor']:.3f} are not distinguishable",
