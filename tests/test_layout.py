@@ -1,12 +1,15 @@
 """The architecture and the configuration hold their promises: the trainer side imports nothing of
-the server, and every setting is defined once (flags, variables and the docs' tables come from one
+the server, the project's modules import one another without a cycle, the server's and inference's
+rooms stay small, and every setting is defined once (flags, variables and the docs' tables come from one
 model). What the docs say is checked in tests/test_docs.py, against the code, not against wording."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +112,84 @@ def test_wilson_interval_matches_published_values(passes, trials, lo, hi):
         assert got_hi == 1.0
     if passes == 0:
         assert got_lo == 0.0
+
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("rollout_service", "inference", "refenv")
+# The rooms that the redesign kept small: a module over this many lines is a room doing two jobs.
+ROOM_LIMIT = {"rollout_service/server": 400, "inference": 400}
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of the project's packages -> the project's modules it imports at its top level
+    (imports inside functions, as `TYPE_CHECKING` ones, are left out: they make no cycle at import)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                found.add(base)
+                found.update(f"{base}.{alias.name}" for alias in node.names)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle among the modules, or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    assert _cycle(_module_imports()) is None, f"import cycle: {' -> '.join(_cycle(_module_imports()) or [])}"
+
+
+def test_the_cycle_check_finds_a_cycle():
+    # The check itself must be able to fail: a two-module cycle, and one through a package's __init__.
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert _cycle({"p": {"p.x"}, "p.x": {"q"}, "q": {"p"}}) == ["p", "p.x", "q", "p"]
+    assert _cycle({"p": {"p.x"}, "p.x": set(), "q": {"p", "p.x"}}) is None
+    # And the graph must see the project's imports, relative ones included.
+    graph = _module_imports()
+    assert "inference.transport" in graph["inference.engine"] or "inference.transport" in graph["inference.replicas"]
+    assert "rollout_service.protocol" in graph["rollout_service.server.runner"]
+
+
+@pytest.mark.parametrize("room", sorted(ROOM_LIMIT))
+def test_no_module_in_the_server_and_inference_rooms_outgrows_its_job(room):
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in (ROOT / room).glob("*.py")
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > ROOM_LIMIT[room]
+    }
+    assert not long, f"modules over {ROOM_LIMIT[room]} lines (split them by job): {long}"
