@@ -18,8 +18,8 @@ import orjson
 
 class JsonList(list):
     """A list that keeps its own JSON as it grows: an exact attempt's prompt is thousands of ids, sent
-    once a turn and written again in the group's result (in each turn's record too, until 2026-12-03),
-    and serialising them again each time took ~9% of the service's CPU at bench/ceiling.py's ceiling.
+    once a turn and written again in the group's result, and serialising them again each time took ~9%
+    of the service's CPU at bench/ceiling.py's ceiling.
     Appended to with `grow` and `repeat` (which write the new items' JSON once); copies share what was
     written.
 
