@@ -203,7 +203,14 @@ def bench_record(records: list[dict], summary: dict, argv: list[str]) -> dict:
         grpo_effect(records),
         f"GRPO stopped early: {stopped}." if stopped else None,
         f"GRPO: {settings['grpo_steps']} steps of {settings['groups_per_step']} groups x {settings['grpo_n']}, "
-        f"mode {settings['grpo_mode']}; the stream: buffer {settings['buffer'] or 2 * settings['groups_per_step']}, "
+        f"mode {settings['grpo_mode']}, "
+        + (
+            "sampled under the env's JSON schema (constrained), the ratio against the trainer's own logprobs at "
+            "each step's start; "
+            if settings.get("grpo_constrained")
+            else "sampled freely (unconstrained), the ratio against vLLM's logprobs; "
+        )
+        + f"lr {settings['grpo_lr']}; the stream: buffer {settings['buffer'] or 2 * settings['groups_per_step']}, "
         f"max_staleness {settings['max_staleness']}, signal filter, difficulty skip above "
         f"{settings['skip_pass_rate_above']} / below {settings['skip_pass_rate_below']}. Each lag is counted "
         "by the trainer from its own update log and the group's oldest turn, and checked before training.",

@@ -7,9 +7,11 @@ in three stages, each through the service, with the policy measured on held-out 
   1. distil: groups answered by a teacher (`--model-endpoint teacher=...`); SFT on the run log's
      `rollout-service export` (passing attempts, executor turns);
   2. rejection-sample: the tuned policy at T > 0; SFT on the best passing attempt of each group;
-  3. GRPO: groups (`constrained: false`, so the returned logprobs are the policy's own), a clipped
-     importance-ratio loss over each trajectory's `loss_mask`, the service's advantages; the adapter
-     is saved and sent with `POST /policy` after each step. `--grpo-mode sync` picks each step's
+  3. GRPO: groups (`constrained: false`, so the returned logprobs are the policy's own; or, with
+     `--grpo-constrained`, sampled under the env's JSON schema and the ratio taken against the
+     trainer's own logprobs at the start of each step), a clipped importance-ratio loss over each
+     trajectory's `loss_mask`, the service's advantages; the adapter is saved and sent with
+     `POST /policy` after each step. `--grpo-mode sync` picks each step's
      tasks here and waits for their groups (no filter); `overlap` pulls each step's groups from a
      sampler stream (signal filter, difficulty bounds, `--max-staleness`) that generates the next
      step's while this one trains; `both` (default) runs sync steps first, then overlapped ones.
@@ -105,6 +107,12 @@ class Settings:
     eval_every: int = setting(2, "GRPO steps between measurements")
     lr: float = setting(2e-4, "SFT learning rate")
     grpo_lr: float = setting(5e-5, "GRPO learning rate")
+    grpo_constrained: bool = setting(
+        False,
+        "GRPO: groups sampled under the env's JSON schema (constrained: true), the importance ratio taken against "
+        "the trainer's own logprobs at the start of each step (the service's are the grammar-masked ones); "
+        "a base model's free-form answers are rarely actions, so its groups carry signal only so",
+    )
     grpo_minibatches: int = setting(1, "GRPO: optimizer steps per GRPO step, each on a share of its trajectories")
     clip: float = setting(0.2, "GRPO importance-ratio clip")
     max_tokens: int = setting(96, "completion tokens per turn")
@@ -283,14 +291,13 @@ class Policy:
         self.model.eval()
         return losses
 
-    def grpo_loss(self, batch: dict, row: int) -> tuple[Any, dict]:
-        """The clipped importance-ratio objective on one trajectory row (negated, as a loss), with the
-        service's logprobs as the behaviour policy and its advantage."""
+    def grpo_loss(self, batch: dict, row: int, old: Any) -> tuple[Any, dict]:
+        """The clipped importance-ratio objective on one trajectory row (negated, as a loss), against
+        `old` (the behaviour policy's logprobs of the row's tokens) and the service's advantage."""
         torch = self.torch
         n = int(batch["attention_mask"][row].sum())
         ids = batch["input_ids"][row, :n]
         mask = batch["loss_mask"][row, 1:n].float()
-        old = batch["old_logprobs"][row, 1:n]
         new = self.token_logprobs(ids)
         ratio = torch.exp(new - old)
         advantage = float(batch["advantages"][row])
@@ -319,6 +326,13 @@ class Policy:
             trainable = [p for p in self.model.parameters() if p.requires_grad]
             self._grpo_optimizer = torch.optim.AdamW(trainable, lr=self.settings.grpo_lr)
         optimizer = self._grpo_optimizer
+        old = [batch["old_logprobs"][row, 1 : int(batch["attention_mask"][row].sum())] for row in range(rows)]
+        if self.settings.grpo_constrained:
+            # Grammar-masked sampling: vLLM's logprobs are of the renormalised allowed tokens, not the
+            # policy's. The ratio is taken against these weights as the step starts instead (as verl
+            # recomputes old_log_prob with the actor): the first minibatch's ratios are 1.
+            with torch.no_grad():
+                old = [self.token_logprobs(batch["input_ids"][row, : len(old[row]) + 1]) for row in range(rows)]
         order = list(range(rows))
         random.Random(self.settings.seed + self.grpo_steps).shuffle(order)
         parts = max(1, min(self.settings.grpo_minibatches, rows))
@@ -328,7 +342,7 @@ class Policy:
         losses, ratios = [], []
         for minibatch in minibatches:
             for row in minibatch:
-                loss, info = self.grpo_loss(batch, row)
+                loss, info = self.grpo_loss(batch, row, old[row])
                 (loss / len(minibatch)).backward()
                 losses.append(loss.item())
                 ratios.append(info["ratio_mean"])
@@ -638,7 +652,7 @@ class Run:
         tasks = rng.sample(self.train_tasks, min(s.groups_per_step, len(self.train_tasks)))
         groups = self.groups(
             [
-                self.request(t, s.grpo_n, 1000 * (k + 1) + i, constrained=False, max_staleness=0)
+                self.request(t, s.grpo_n, 1000 * (k + 1) + i, constrained=s.grpo_constrained, max_staleness=0)
                 for i, t in enumerate(tasks)
             ],
             f"grpo step {k + 1}: groups",
@@ -655,7 +669,7 @@ class Run:
         template: dict[str, Any] = {
             "n": s.grpo_n,
             "sampling": {"temperature": s.temperature, "max_tokens": s.max_tokens},
-            "constrained": False,
+            "constrained": s.grpo_constrained,
         }
         if s.max_turns:
             template["max_turns"] = s.max_turns
