@@ -71,8 +71,11 @@ def machine() -> dict[str, Any]:
 
 
 def make(benchmark: str, title: str, rows: list[dict[str, Any]], *, columns: list[str] | None = None,
-         notes: str | None = None, argv: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """A record of this run: the command as typed (`sys.argv` by default), this commit, this machine, today."""
+         notes: str | None = None, argv: list[str] | None = None,
+         code: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """A record of this run: the command as typed (`sys.argv` by default), this commit (or `code`: the
+    commit a long run started at, read then, since the checkout may move on while it runs), this
+    machine, today."""
     argv = sys.argv if argv is None else argv
     script = Path(argv[0])
     shown = script.relative_to(ROOT).as_posix() if script.is_absolute() and script.is_relative_to(ROOT) else argv[0]
@@ -85,7 +88,7 @@ def make(benchmark: str, title: str, rows: list[dict[str, Any]], *, columns: lis
         "benchmark": benchmark,
         "title": title,
         "command": " ".join([shown, *argv[1:]]),
-        "commit": commit(),
+        "commit": code or commit(),
         "machine": machine(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "figures": figures,

@@ -184,12 +184,23 @@ _COMPARED = {
 }
 
 
-def bench_record(records: list[dict], summary: dict, argv: list[str]) -> dict:
+def _bench_record_module() -> Any:
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import record
     finally:
         sys.path.remove(str(ROOT / "bench"))
+    return record
+
+
+def code_commit() -> str:
+    """The commit checked out now (`+dirty` where tracked files differ): read as a run starts."""
+    return _bench_record_module().commit()
+
+
+def bench_record(records: list[dict], summary: dict, argv: list[str], code: str | None = None) -> dict:
+    """The run's record; `code`: the commit it ran (code_commit() at its start)."""
+    record = _bench_record_module()
     settings = summary["settings"]
     stages = "GRPO from the base model" if settings["grpo_only"] else "distil, rejection sampling, GRPO"
     modes = frozenset(s["mode"] for s in grpo_steps(records))
@@ -237,6 +248,7 @@ def bench_record(records: list[dict], summary: dict, argv: list[str]) -> dict:
         rows,
         notes=" ".join(n for n in notes if n),
         argv=argv,
+        code=code,
     )
     made["figures"]["tables"] = [
         {

@@ -317,8 +317,11 @@ class Policy:
         (a fresh one would make every update a sign step of the learning rate's size). The first
         minibatch's ratios are 1 up to the agreement of the two engines; the later ones' show how far
         the step has moved the policy, and the clip bounds it."""
+        return self.grpo_update(token_batch(attempts, pad_token_id=self.tokenizer.pad_token_id or 0, tensors="pt"))
+
+    def grpo_update(self, batch: dict) -> dict:
+        """`grpo_step` on a token batch (`token_batch`'s tensors)."""
         torch = self.torch
-        batch = token_batch(attempts, pad_token_id=self.tokenizer.pad_token_id or 0, tensors="pt")
         rows = batch["input_ids"].shape[0]
         if rows == 0:
             return {"rows": 0, "loss": None}
@@ -793,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
         if given is not None and "help" in f.metadata:
             setattr(settings, f.name, given)
     (args.out / "steps.jsonl").unlink(missing_ok=True)
+    code = reference_report.code_commit()  # the code this run runs, whatever is checked out when it ends
     stack = TrainStack(args.out, args.vllm)
     started = time.monotonic()
     with stack, RolloutClient(stack.urls["service"], timeout_s=3600) as client:
@@ -830,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
         title = "reference trainer: " + ("GRPO from the base model" if settings.grpo_only else "distil, RS, GRPO")
         reference_report.plot(run.log.records, args.out / "progress.png", title)
-        bench = reference_report.bench_record(run.log.records, summary, sys.argv if argv is None else argv)
+        bench = reference_report.bench_record(run.log.records, summary, sys.argv if argv is None else argv, code)
         record_path = args.record or args.out / "record.json"
         record_path.parent.mkdir(parents=True, exist_ok=True)
         record_path.write_text(json.dumps(bench, indent=1, ensure_ascii=False) + "\n")
