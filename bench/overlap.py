@@ -36,21 +36,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import record  # noqa: E402
 
+from rollout_service import ndjson  # noqa: E402
 from rollout_service.tools.stack import ManagedProcess, free_port, refenv_command, service_command  # noqa: E402
 
 
-def ndjson(client: httpx.Client, path: str, body: dict) -> list[dict]:
+def ndjson_lines(client: httpx.Client, path: str, body: dict) -> list[dict]:
     with client.stream("POST", path, json=body, timeout=3600) as response:
         if response.status_code >= 400:
             raise RuntimeError(f"{path}: {response.status_code} {response.read()[:500]!r}")
-        return [json.loads(line) for line in response.iter_lines() if line.strip()]
+        return [json.loads(line) for line in ndjson.lines(response.iter_bytes()) if line.strip()]
 
 
 def run_sync(client: httpx.Client, template: dict, groups: int, steps: int, train_s: float) -> list[float]:
     walls = []
     for _ in range(steps):
         started = time.monotonic()
-        lines = ndjson(client, "/groups/sample", {"count": groups, "filter": "none", "group": template})
+        lines = ndjson_lines(client, "/groups/sample", {"count": groups, "filter": "none", "group": template})
         assert sum("group" in line for line in lines) == groups, lines[-1]
         time.sleep(train_s)  # the stand-in training step
         walls.append(time.monotonic() - started)
@@ -67,7 +68,7 @@ def run_overlapped(
     try:
         for _ in range(steps):
             started = time.monotonic()
-            lines = ndjson(client, f"/samplers/{stream}/pull", {"count": groups})
+            lines = ndjson_lines(client, f"/samplers/{stream}/pull", {"count": groups})
             handed = [line for line in lines if "group" in line]
             assert len(handed) == groups, lines[-1]
             lags += [line["lag"] for line in handed]

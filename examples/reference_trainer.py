@@ -50,6 +50,7 @@ from typing import Any
 import reference_report
 
 from inference import embedded_model
+from rollout_service import ndjson
 from rollout_service.protocol import GRADED_STATUSES, Attempt, GroupResult
 from rollout_service.sampler_protocol import StreamState
 from rollout_service.server.config import ServiceConfig
@@ -505,7 +506,7 @@ class Run:
             records_path,
             ExportOptions(stage="executor", min_reward=0.7, best_of_group=best_of_group),
         )
-        records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in ndjson.split(records_path.read_text()) if line.strip()]
         say(f"[{stage}] {'; '.join(report.lines())}")
         started = time.monotonic()
         losses = self.policy.sft(records, epochs, stage) if records else []
@@ -720,7 +721,7 @@ class Run:
         while True:
             lines = {}
             if run_log.exists():
-                for line in run_log.read_text(encoding="utf-8").splitlines():
+                for line in ndjson.split(run_log.read_text(encoding="utf-8")):
                     try:
                         group_id = json.loads(line).get("group_id")
                     except ValueError:  # the line being written

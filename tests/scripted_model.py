@@ -19,6 +19,8 @@ SCRIPT, one of:
   no-ids          answers as `answer`, but without token ids or logprobs (usage counts only)
   sql-then-answer runs a query on the first --sql-turns turns of an episode (default 2), then answers,
                   so every episode takes a known number of turns and is scored
+  answer-breaks   answers as `answer`, with U+2028, U+2029 and U+0085 raw in the answer's text: JSON
+                  carries them raw in a string, and many line readers split lines at them
 
 Options:
   --name NAME       the served model name (default "scripted"), listed at /v1/models and echoed in answers
@@ -86,13 +88,14 @@ from rollout_service.listening import ReportingServer
 
 ANSWER = json.dumps({"action": "answer", "input": "1"})
 SQL = json.dumps({"action": "sql", "input": "SELECT 1"})
+ANSWER_BREAKS = json.dumps({"action": "answer", "input": "1\u2028two\u2029three\u0085four"}, ensure_ascii=False)
 OVERFLOW = (
     "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
     "(4900 in the messages, 100 in the completion). Please reduce the length of the messages or completion."
 )
 
 
-SCRIPTS = ["answer", "sql-forever", "empty-choices", "overflow", "no-ids", "sql-then-answer"]
+SCRIPTS = ["answer", "sql-forever", "empty-choices", "overflow", "no-ids", "sql-then-answer", "answer-breaks"]
 
 
 def command(port: int, script: str, *flags: str) -> list[str]:
@@ -207,6 +210,8 @@ def build(
         text = SQL if script == "sql-forever" or (script == "empty-choices" and turns_so_far == 0) else ANSWER
         if script == "sql-then-answer":
             text = SQL if turns_so_far < sql_turns else ANSWER
+        if script == "answer-breaks":
+            text = ANSWER_BREAKS
         ids = list(range(100, 100 + len(text) // 4 + 1))
         choice: dict = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
         answer: dict = {

@@ -116,3 +116,95 @@ def test_the_http_layer_keeps_no_group_once_it_is_sent(start_refenv, start_scrip
             if any(raw in x if type(x) in (bytes, bytearray) else type(x) is str and text in x for x in items):
                 holders.append(f"{type(o).__name__}: {kind.__repr__(o).replace(text, '<id>')[:300]}")
         assert not holders, holders
+
+
+# -- lines that stay lines ------------------------------------------------------------------------
+
+RAW_BREAKS = ("\u2028", "\u2029", "\u0085")
+
+
+def _raw(line: bytes) -> bytes:
+    """A line as a server that writes those characters raw (orjson, pydantic) would send it."""
+    for char in RAW_BREAKS:
+        line = line.replace(json.dumps(char).strip('"').encode(), char.encode())
+    return line
+
+
+def test_text_with_unicode_line_breaks_keeps_each_group_one_line(start_refenv, start_service, start_scripted_model):
+    """A model's text may hold U+2028, U+2029 or U+0085, which JSON carries raw in a string and which
+    str.splitlines and httpx's (and requests') iter_lines take as line ends: a group's line came apart,
+    and the trainer client's pull failed with stream_cut ("its last line came in part"), seen in the
+    reference trainer's GRPO-only run. Oracles: the stream's bytes split at b"\\n" alone, against
+    str.splitlines of the same text, and the answer's text as the stand-in model sent it.
+
+    Breaks tried: one_line() left out of group_json -> the service's lines come apart under
+    splitlines (fails at the line count); the client reading with iter_lines/aiter_lines -> its groups
+    from a server that sends the characters raw fail with a JSON error (fails in both clients); a pull
+    read with iter_lines -> the run's own StreamCut, "its last line came in part"."""
+    from scripted_model import ANSWER_BREAKS
+
+    from rollout_service.trainer import AsyncRolloutClient, RolloutClient
+
+    model = start_scripted_model("answer-breaks")
+    env = start_refenv("--pool", "2")
+    service = start_service([env.url], vllm=model.url, model="scripted")
+    body = {"groups": [{"task_id": "t001", "n": 2, "sampling": SQL_ONCE} for _ in range(2)]}
+    answer = httpx.post(f"{service.url}/groups/batch", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    lines = [line for line in answer.content.split(b"\n") if line.strip()]
+    assert len(lines) == 2
+    assert len([line for line in answer.text.splitlines() if line.strip()]) == 2, "a line came apart"
+    for line in lines:
+        group = json.loads(line)["group"]
+        for attempt in group["attempts"]:
+            assert any(turn["completion"] == ANSWER_BREAKS for turn in attempt["turns"]), attempt["turns"]
+
+    # The trainer client, against a server that writes them raw (the service above no longer does; a
+    # stand-in answering its own lines so), the answer sent in small pieces that cut characters apart.
+    raw = b"".join(_raw(line) + b"\n" for line in lines)
+    assert all(char.encode() in raw for char in RAW_BREAKS)
+
+    def answer_raw(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=iter([raw[i : i + 7] for i in range(0, len(raw), 7)]))
+
+    requests = [{"task_id": "t001", "n": 2}] * 2
+    client = RolloutClient(service.url)
+    client._http = httpx.Client(base_url=service.url, transport=httpx.MockTransport(answer_raw))
+    got = [item.group for item in client.groups(requests)]
+    assert [g.attempts[0].turns[-1].completion for g in got] == [ANSWER_BREAKS, ANSWER_BREAKS]
+
+    # A pull's lines (a group with its lag, then the summary), the same way.
+    summary = {"requested": 2, "kept": 2, "complete": True, "stopped": "count reached", "groups_run": 2, "lags": [0, 0]}
+    pulled_raw = (
+        b"".join(b'{"group": %b, "lag": 0}\n' % _raw(json.dumps(json.loads(line)["group"]).encode()) for line in lines)
+        + json.dumps({"summary": summary}).encode()
+        + b"\n"
+    )
+
+    def answer_pull(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=iter([pulled_raw[i : i + 5] for i in range(0, len(pulled_raw), 5)]))
+
+    client._http = httpx.Client(base_url=service.url, transport=httpx.MockTransport(answer_pull))
+    pulled = client.pull("s-any", 2)
+    assert [g.attempts[0].turns[-1].completion for g in pulled.groups] == [ANSWER_BREAKS, ANSWER_BREAKS]
+    assert pulled.summary.kept == 2
+
+    async def pieces():
+        for i in range(0, len(raw), 7):
+            yield raw[i : i + 7]
+
+    async def answer_raw_async(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=pieces())
+
+    async def async_groups() -> list:
+        aclient = AsyncRolloutClient(service.url)
+        aclient._http = httpx.AsyncClient(base_url=service.url, transport=httpx.MockTransport(answer_raw_async))
+        try:
+            return [item.group async for item in aclient.groups(requests)]
+        finally:
+            await aclient._http.aclose()
+
+    import asyncio
+
+    got = asyncio.run(async_groups())
+    assert [g.attempts[0].turns[-1].completion for g in got] == [ANSWER_BREAKS, ANSWER_BREAKS]

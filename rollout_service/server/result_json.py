@@ -29,11 +29,28 @@ from ..protocol import GroupResult
 _SERIALISED: dict[type[BaseModel], tuple[tuple[str, str], ...] | None] = {}
 
 
+# Characters JSON may carry raw in a string, as orjson and pydantic write them, that many line readers
+# (str.splitlines, httpx's iter_lines, requests') also take as the end of a line; a model's text does
+# hold them. In a stream or the run log each is written as its escape, the same JSON string, so that a
+# group's line stays one line for every reader: U+0085, U+2028, U+2029 in UTF-8. (The other such
+# characters are below U+0020, which JSON always escapes.)
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def one_line(body: bytes) -> bytes:
+    """JSON as written, with no byte sequence a line reader could split it at (see _LINE_BREAKS)."""
+    for raw, escaped in _LINE_BREAKS:
+        if raw in body:  # in valid UTF-8 these bytes are only ever that character
+            body = body.replace(raw, escaped)
+    return body
+
+
 def group_json(result: GroupResult) -> bytes:
     try:
-        return orjson.dumps(result, default=_fields_by_alias, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
+        body = orjson.dumps(result, default=_fields_by_alias, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
     except TypeError:
-        return result.model_dump_json(by_alias=True).encode()
+        body = result.model_dump_json(by_alias=True).encode()
+    return one_line(body)
 
 
 def _fields_by_alias(value: Any) -> Any:

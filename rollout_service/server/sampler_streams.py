@@ -26,6 +26,7 @@ from prometheus_client import Gauge, Histogram
 
 from ..sampler_protocol import DroppedGroup, SampleSummary, StreamCreate, StreamState
 from .errors import Gone, NotFound
+from .result_json import one_line
 from .sampler import DropCounts, Finished, Sampler
 from .stream_out import HeldResults
 
@@ -83,11 +84,11 @@ def sample_summary(sampler: Sampler, requested: int, stopped: str, cancelled: in
 
 
 def dropped_line(dropped: DroppedGroup) -> bytes:
-    return b'{"dropped": %b}\n' % dropped.model_dump_json().encode()
+    return b'{"dropped": %b}\n' % one_line(dropped.model_dump_json().encode())
 
 
 def summary_line(text: SampleSummary) -> bytes:
-    return b'{"summary": %b}\n' % text.model_dump_json(exclude_none=True).encode()
+    return b'{"summary": %b}\n' % one_line(text.model_dump_json(exclude_none=True).encode())
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from .. import ndjson
 from ..keys import client_keys
 from ..protocol import (
     EnvAdd,
@@ -355,7 +356,7 @@ class RolloutClient(_BaseClient):
             if response.status_code >= 400:
                 response.read()
                 self._raise_for(response)
-            for line in response.iter_lines():
+            for line in ndjson.lines(response.iter_bytes()):
                 if line.strip():
                     yield self._parse_line(line)
 
@@ -492,7 +493,7 @@ class RolloutClient(_BaseClient):
                 response.read()
                 self._raise_for(response)
             try:
-                for line in response.iter_lines():
+                for line in ndjson.lines(response.iter_bytes()):
                     reader.add(line)
             except httpx.TransportError as exc:  # the connection went mid-answer, or the read timed out
                 raise reader.cut(f"{type(exc).__name__}: {exc}") from exc
@@ -538,7 +539,7 @@ class AsyncRolloutClient(_BaseClient):
             if response.status_code >= 400:
                 await response.aread()
                 self._raise_for(response)
-            async for line in response.aiter_lines():
+            async for line in ndjson.alines(response.aiter_bytes()):
                 if line.strip():
                     yield self._parse_line(line)
 
@@ -651,7 +652,7 @@ class AsyncRolloutClient(_BaseClient):
                 await response.aread()
                 self._raise_for(response)
             try:
-                async for line in response.aiter_lines():
+                async for line in ndjson.alines(response.aiter_bytes()):
                     reader.add(line)
             except httpx.TransportError as exc:  # the connection went mid-answer, or the read timed out
                 raise reader.cut(f"{type(exc).__name__}: {exc}") from exc
