@@ -205,7 +205,9 @@ def bench_record(records: list[dict], summary: dict, argv: list[str], code: str 
     stages = "GRPO from the base model" if settings["grpo_only"] else "distil, rejection sampling, GRPO"
     modes = frozenset(s["mode"] for s in grpo_steps(records))
     compared, table_title = _COMPARED.get(modes, ("no GRPO step", "GRPO"))
-    waited = "teacher, RS, sync GRPO" if not settings["grpo_only"] else "sync GRPO"
+    waited = ", ".join(
+        [*(["teacher", "RS"] if not settings["grpo_only"] else []), *(["sync GRPO"] if "sync" in modes else [])]
+    )
     agreement = (summary.get("agreement") or {}).get("unconstrained")
     stopped = next((r["reason"] for r in records if r["kind"] == "grpo_stopped"), None)
     notes = [

@@ -316,8 +316,10 @@ class Policy:
         """One GRPO step on these attempts: `--grpo-minibatches` optimizer steps, each over its share of
         the trajectories. One optimizer for the whole stage, so Adam's moments carry from step to step
         (a fresh one would make every update a sign step of the learning rate's size). The first
-        minibatch's ratios are 1 up to the agreement of the two engines; the later ones' show how far
-        the step has moved the policy, and the clip bounds it."""
+        minibatch's ratios are the policy's drift since the groups were sampled (1 up to the two
+        engines' agreement at lag 0; exactly 1 with --grpo-constrained, whose ratio is taken against
+        these weights, so there the clip bounds only the step's own later minibatches); the later
+        ones' show how far the step has moved the policy."""
         return self.grpo_update(token_batch(attempts, pad_token_id=self.tokenizer.pad_token_id or 0, tensors="pt"))
 
     def grpo_update(self, batch: dict) -> dict:
@@ -330,6 +332,7 @@ class Policy:
             trainable = [p for p in self.model.parameters() if p.requires_grad]
             self._grpo_optimizer = torch.optim.AdamW(trainable, lr=self.settings.grpo_lr)
         optimizer = self._grpo_optimizer
+        started = time.monotonic()
         old = [batch["old_logprobs"][row, 1 : int(batch["attention_mask"][row].sum())] for row in range(rows)]
         if self.settings.grpo_constrained:
             # Grammar-masked sampling: vLLM's logprobs are of the renormalised allowed tokens, not the
@@ -342,7 +345,6 @@ class Policy:
         parts = max(1, min(self.settings.grpo_minibatches, rows))
         minibatches = [order[i::parts] for i in range(parts)]
         self.model.train()
-        started = time.monotonic()
         losses, ratios = [], []
         for minibatch in minibatches:
             for row in minibatch:

@@ -12,19 +12,26 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 
 
 class LineSplitter:
-    """Bytes as they arrive -> whole lines (decoded, without their "\\n" or a "\\r" before it)."""
+    """Bytes as they arrive -> whole lines (decoded, without their "\\n" or a "\\r" before it). A line
+    that comes in many chunks (a group is ~1 MB) is joined once, when its end comes."""
 
     def __init__(self) -> None:
-        self._rest = b""
+        self._pending: list[bytes] = []
 
     def feed(self, chunk: bytes) -> list[str]:
-        parts = (self._rest + chunk).split(b"\n")
-        self._rest = parts.pop()
+        if b"\n" not in chunk:
+            if chunk:
+                self._pending.append(chunk)
+            return []
+        self._pending.append(chunk)
+        parts = b"".join(self._pending).split(b"\n")
+        rest = parts.pop()
+        self._pending = [rest] if rest else []
         return [_text(part) for part in parts]
 
     def end(self) -> list[str]:
         """What came after the last "\\n": a last line without one (or the part of a line cut off)."""
-        rest, self._rest = self._rest, b""
+        rest, self._pending = b"".join(self._pending), []
         return [_text(rest)] if rest else []
 
 
@@ -50,4 +57,4 @@ async def alines(chunks: AsyncIterable[bytes]) -> AsyncIterator[str]:
 
 def split(text: str) -> list[str]:
     """A whole NDJSON text's lines (a file read at once)."""
-    return text.split("\n")
+    return [line.removesuffix("\r") for line in text.split("\n")]

@@ -120,13 +120,20 @@ PACKAGES = ("rollout_service", "inference", "refenv")
 ROOM_LIMIT = {"rollout_service/server": 400, "inference": 400}
 
 
-def _module_imports() -> dict[str, set[str]]:
-    """Each module of the project's packages -> the project's modules it imports at its top level
-    (imports inside functions, as `TYPE_CHECKING` ones, are left out: they make no cycle at import)."""
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _module_imports(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Each module of the packages -> the modules importing it runs at its top level (imports inside
+    functions, and `TYPE_CHECKING` ones, are left out: they make no cycle at import). Importing a.b.c
+    runs a's and a.b's __init__ first, so those are edges too, but for the importer's own packages,
+    which are already being imported when it runs."""
     modules = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             modules[name] = path
     graph: dict[str, set[str]] = {}
@@ -143,7 +150,9 @@ def _module_imports() -> dict[str, set[str]]:
                     base = ".".join(anchor + ([node.module] if node.module else []))
                 found.add(base)
                 found.update(f"{base}.{alias.name}" for alias in node.names)
-        graph[name] = {m for m in found if m in modules and m != name}
+        own = {name, *_ancestors(name)}
+        edges = {m for target in found if target in modules for m in (target, *_ancestors(target))}
+        graph[name] = {m for m in edges if m in modules and m not in own}
     return graph
 
 
@@ -172,6 +181,34 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_among_the_projects_modules():
     assert _cycle(_module_imports()) is None, f"import cycle: {' -> '.join(_cycle(_module_imports()) or [])}"
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_the_cycle_check_sees_a_packages_init_and_not_its_own_packages(tmp_path):
+    # A real cycle through a package's __init__ (Python's "partially initialized module"), met only
+    # by an edge to the package that `from proj.p.x import X` imports first ...
+    cyclic = _tree(
+        tmp_path / "a",
+        {
+            "proj/__init__.py": "",
+            "proj/p/__init__.py": "from proj.q import thing\n",
+            "proj/p/x.py": "X = 1\n",
+            "proj/q.py": "from proj.p.x import X\nthing = X\n",
+        },
+    )
+    assert _cycle(_module_imports(cyclic, ("proj",))) is not None
+    # ... and none where a module imports a sibling through its own package, as Python allows.
+    fine = _tree(
+        tmp_path / "b",
+        {"proj/__init__.py": "from proj.a import A\n", "proj/a.py": "from . import b\nA = 1\n", "proj/b.py": ""},
+    )
+    assert _cycle(_module_imports(fine, ("proj",))) is None
 
 
 def test_the_cycle_check_finds_a_cycle():

@@ -25,7 +25,7 @@ from helpers import assert_accounted, base_token_logprobs
 from inference import embedded_model
 from inference.json_body import dumps
 from rollout_service.protocol import Attempt, GroupResult
-from rollout_service.server.result_json import group_json
+from rollout_service.server.result_json import group_json, one_line
 from rollout_service.trainer import token_batch, trl_rollout
 
 POLICY_STAGES = {"executor"}  # the service's default --policy-stage
@@ -267,15 +267,15 @@ def test_results_are_the_json_pydantic_would_write(exact_run):
     written = log.read_bytes().splitlines()
     assert len(written) == len(groups)
     for line in written:
-        assert line == GroupResult.model_validate_json(line).model_dump_json(by_alias=True).encode()
+        assert line == one_line(GroupResult.model_validate_json(line).model_dump_json(by_alias=True).encode())
     for group in groups:
         result = GroupResult.model_validate(group)
         # Byte for byte (parsed JSON would take true for 1 and 0 for 0.0), and the service's own JSON.
-        assert group_json(result) == result.model_dump_json(by_alias=True).encode()
+        assert group_json(result) == one_line(result.model_dump_json(by_alias=True).encode())
         assert json.loads(group_json(result)) == group
     result = GroupResult.model_validate(groups[0])
     result.sampling["seed"] = 2**70  # past orjson's 64-bit integers
-    assert group_json(result) == result.model_dump_json(by_alias=True).encode()
+    assert group_json(result) == one_line(result.model_dump_json(by_alias=True).encode())
     assert json.loads(group_json(result))["sampling"]["seed"] == 2**70
 
 

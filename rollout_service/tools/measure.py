@@ -30,11 +30,15 @@ def wilson_interval(passes: int, trials: int, z: float = Z95) -> tuple[float, fl
 
 def mean_interval(values: list[float], z: float = Z95) -> tuple[float, float] | None:
     """The normal-approximation interval of a mean (95% by default): mean ± z·s/√n, with s the sample
-    standard deviation. None for fewer than two values."""
+    standard deviation. None for fewer than two values, or values all equal (no spread to go by: an
+    interval of width 0 would claim certainty). Attempts at one task are taken as independent, as the
+    pass rate's Wilson interval takes them."""
     if len(values) < 2:
         return None
     mean = sum(values) / len(values)
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    if sd == 0:
+        return None
     half = z * sd / math.sqrt(len(values))
     return mean - half, mean + half
 
