@@ -155,9 +155,12 @@ def main() -> None:
 def as_record(raw: dict, raw_path: str, notes: str = "") -> dict:
     """The run (as --out writes it) as a benchmark record for the benchmarks pages: per round and
     configuration, each stack's service CPU per turn, the first stack's over each other's and the load;
-    `notes` say what the stacks were (a `before=DIR` tree is shown as "before")."""
+    `notes` say what the stacks were (a `before=DIR` tree is shown as "before", or by its folder's name
+    where there are several)."""
     stacks = list(dict.fromkeys(run["stack"] for run in raw["runs"]))
-    names = {stack: "before" if stack.startswith("before=") else stack for stack in stacks}
+    trees = [stack for stack in stacks if stack.startswith("before=")]
+    names = {stack: stack for stack in stacks}
+    names.update({tree: "before" if len(trees) == 1 else Path(tree[7:]).name for tree in trees})
     rows = []
     for ratio in raw["ratios"]:
         mine = [
