@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import __version__
+from . import SUITE_VERSION
 from .agent import AgentOptions, Reply, run_agent
 from .config import Settings
 from .episodes import ContractError, EpisodeTable, SupportModelError
@@ -139,10 +139,10 @@ class Environment:
             "status": "ready",
             "workers": s.pool,
             "tasks": len(self.tasks),
-            "dataset": {"catalog_hash": self.catalog_hash, "data_anchor": f"refenv-{__version__}"},
+            "dataset": {"catalog_hash": self.catalog_hash, "data_anchor": SUITE_VERSION},
             "reward_version": REWARD_VERSION,
             "reward_profile": s.reward_profile,
-            "suite": {"version": f"refenv-{__version__}", "seed": s.seed, "scale": s.scale},
+            "suite": {"version": SUITE_VERSION, "seed": s.seed, "scale": s.scale},
             "capabilities": capabilities,
             # Additive, for testing drivers: GraphJin does not report these.
             "leased": self.pool.leased,
