@@ -111,6 +111,39 @@ def test_an_env_answer_that_breaks_the_contract_is_a_typed_failure():
     assert err.value.kind == "env_bad_answer" and err.value.retryable
 
 
+@pytest.mark.parametrize("leased, kept", [(3, 3), ("many", None), (True, None), ([1], None)])
+def test_an_envs_leased_count_is_kept_only_as_a_count(leased, kept):
+    """/health/detail types `leased` as a count: whatever else an env's /health puts there is left out
+    rather than failing the detail (a stand-in env: refenv always sends a count).
+    Break tried: the int check removed -> "many" reaches EnvDetail and validation fails."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rollout_service.server.env_client import EnvClient
+    from rollout_service.server.health import BackendMonitor
+    from rollout_service.server.health_detail import EnvDetail
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"status": "ready", "workers": 2, "leased": leased})
+
+    async def probe() -> dict:
+        client = EnvClient("http://env", transport=httpx.MockTransport(answer))
+        env = SimpleNamespace(url="http://env", client=client, slots=SimpleNamespace(down=False))
+        monitor = BackendMonitor({"http://env": env}, [])  # type: ignore[dict-item]
+        try:
+            await monitor.probe()
+        finally:
+            await client.aclose()
+        return monitor.env_state("http://env")
+
+    state = asyncio.run(probe())
+    assert state["ok"] and state["leased"] == kept, state
+    detail = EnvDetail(
+        url="http://env", pool=2, held=0, max_held=0, draining=False, side=None, busy_world_seconds=0.0, **state
+    )
+    assert detail.leased == kept
+
+
 def test_a_token_prompt_completion_sends_the_turns_sampling_seed_included():
     """Exact turns' side of test_a_seed_sends_the_documented_seed_per_attempt_and_turn (tests/
     test_service.py, which sees chat requests: the scripted model has no /tokenize): the runner works

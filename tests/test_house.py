@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
-from helpers import wait_until
+from helpers import cli, wait_until
 
 from rollout_service.protocol import GRADED_STATUSES, AttemptStatus
 
@@ -20,7 +20,8 @@ def test_log_level_and_json_format_set_the_root_logger_and_health_detail_is_its_
     --log-level warning leaves them out. Breaks tried: configure_logging not setting the root level ->
     the warning-level service logs `started`; the text formatter for json -> no line parses as JSON;
     httpx left at info -> a line per env and model request;
-    `side` typed as a str -> /health/detail answers 500 for an env that declares no side."""
+    `side` typed as a str -> /health/detail answers 500 for an env that declares no side; a replica's
+    `draining` left unset in policy.replica_state -> /health/detail leaves it out."""
     env = start_refenv("--pool", "2")
     service = start_service([env.url], "--log-format", "json")
     assert wait_until(lambda: service.health()["status"] == "ok", 30)
@@ -46,6 +47,18 @@ def test_log_level_and_json_format_set_the_root_logger_and_health_detail_is_its_
     detail = HealthDetail.model_validate(answer)
     assert detail.envs is not None and [e.url for e in detail.envs] == [env.url], answer
     assert detail.envs[0].pool == 2 and "waiting_for" not in answer and "run_log" in answer, answer
+    # The policy is typed (PolicyState) and still whole: a nested default, such as a replica's
+    # `draining`, is said as GET /policy says it, not left out as unset.
+    policy = httpx.get(f"{service.url}/policy", timeout=10).json()
+    assert answer["policy"]["replicas"] == policy["replicas"] and "pause_expires_in" in answer["policy"], answer
+    # `leased` is the env's own count of worlds in use: refenv's /health is the oracle.
+    assert wait_until(
+        lambda: (
+            httpx.get(f"{service.url}/health/detail", timeout=10).json()["envs"][0].get("leased")
+            == env.health()["leased"]
+        ),
+        10,
+    )
     schema = httpx.get(f"{service.url}/openapi.json", timeout=10).json()
     assert "HealthDetail" in schema["components"]["schemas"]
 
@@ -118,3 +131,67 @@ def test_all_or_none_raises_the_first_failure_and_cancels_the_rest():
         assert await all_or_none([fine(), fine()]) == [1, 1]
 
     asyncio.run(scenario())
+
+
+def test_a_policy_update_is_info_when_every_replica_took_it_and_a_warning_when_some_did_not(tmp_path, caplog):
+    """Lifecycle events are info: a full update, the trainer's pause taken and released. An update some
+    replica did not take stays a warning (that replica is out of routing). Over fake_vllm's fleet (a
+    stand-in for vLLM that can fail a reload on demand), through the real PolicyManager. Breaks tried:
+    the update's line back at log.warning -> the full update is a WARNING record; no line on the pause
+    -> no `policy pause taken` record."""
+    import asyncio
+    import logging
+
+    from fake_vllm import checkpoint, make_manager
+
+    from rollout_service.protocol import PolicyUpdate
+
+    caplog.set_level(logging.INFO, logger="rollout_service")
+
+    def policy_records() -> list[tuple[str, str]]:
+        return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "rollout_service.policy"]
+
+    async def go() -> None:
+        fleet, pool, manager = await make_manager(2)
+        try:
+            await manager.update(PolicyUpdate(version="v1", weights={"path": checkpoint(tmp_path, "v1")}))
+            assert ("INFO", "policy version v1 (weights) served by 2 of 2 replicas") in policy_records()
+
+            await manager.pause(30)
+            await manager.update(PolicyUpdate(version="v2"))  # the trainer pushed the weights itself
+            assert ("INFO", "policy pause taken: 2 replica(s) paused for up to 30s") in policy_records()
+            assert ("INFO", "policy pause released: 2 of 2 replica(s) resumed") in policy_records()
+            assert ("INFO", "policy version v2 (pushed) served by 2 of 2 replicas") in policy_records()
+
+            fleet[1].reload_fail = "clean"
+            await manager.update(PolicyUpdate(version="v3", weights={"path": checkpoint(tmp_path, "v3")}))
+            assert ("WARNING", "policy version v3 (weights) served by 1 of 2 replicas") in policy_records()
+        finally:
+            await manager.close()
+            await pool.aclose()
+
+    asyncio.run(go())
+    assert not [m for level, m in policy_records() if level == "WARNING" and "2 of 2" in m], policy_records()
+
+
+def test_a_failed_start_under_json_logging_is_a_json_error_record(tmp_path):
+    """`serve --log-format json` whose start-up gives up exits 1, its failure one JSON object at level
+    error like every other line; in text mode the same words, in the text format. Break tried: the
+    `print` back in _serve -> the failure line is not JSON."""
+    flags = [
+        "serve", "--env", "http://127.0.0.1:9", "--vllm", "http://127.0.0.1:9", "--model", "m",
+        "--runs-dir", str(tmp_path / "runs"), "--startup-timeout", "1", "--listen", "127.0.0.1:0",
+    ]  # fmt: skip
+    done = cli(*flags, "--log-format", "json", timeout=120)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line, the failure's included, is JSON
+    [failure] = [r for r in records if "cannot start" in r["message"]]
+    assert failure["level"] == "error" and failure["logger"].startswith("rollout_service"), failure
+    assert failure["message"].startswith("cannot start: still waiting after 1s (--startup-timeout)"), failure
+    assert "http://127.0.0.1:9" in failure["message"], failure
+
+    text = cli(*flags, timeout=120)
+    assert text.returncode == 1, text.stderr
+    [line] = [line for line in text.stderr.splitlines() if "cannot start" in line]
+    assert " ERROR rollout_service." in line and "cannot start: still waiting" in line and not line.startswith("{")

@@ -154,3 +154,33 @@ def test_finished_groups_are_not_retained_by_the_runner():
 
     before, after = asyncio.run(go())
     assert after == before == 0
+
+
+def test_an_unexpected_error_outside_the_episode_fails_the_attempt_as_internal_error_once():
+    """A bug outside the episode (here the target raising when asked for the env of its slot) fails
+    the attempt as internal_error, never run again, whatever the exception's type: a TimeoutError
+    is not read as the env's (which would be env_no_world, retryable)."""
+
+    class BrokenTarget(TaskTarget):
+        def env(self, url: str) -> EnvHandle:
+            raise TimeoutError("a bug's own timeout")
+
+    async def go() -> dict:
+        slots = EnvSlots(ENV, 4)  # room for a second try, had the failure been retryable
+        chat = ReplicaPool(["http://model"], transport=chat_answer("{}"))
+        client = EnvClient(ENV, transport=httpx.MockTransport(StandInEnv(reset={})))
+        contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
+        target = BrokenTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
+        policy = ModelRoute("m", chat)
+        runner = GroupRunner(WorldScheduler([slots]), policy, None, Metrics())
+        try:
+            result = await runner.run_group(GroupRequest(task_id="t001", n=1, retries=1), target, policy)
+            return result.model_dump(mode="json", by_alias=True)
+        finally:
+            await client.aclose()
+            await chat.aclose()
+
+    [attempt] = asyncio.run(go())["attempts"]
+    assert attempt["status"] == "internal_error" and attempt["tries"] == 1 and attempt["earlier_failures"] == []
+    assert attempt["failure"]["kind"] == "internal_error" and attempt["failure"]["attribution"] == "infrastructure"
+    assert attempt["failure"]["detail"] == "TimeoutError: a bug's own timeout"

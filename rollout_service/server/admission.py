@@ -69,7 +69,7 @@ class Admission:
                 "envs_draining",
                 f"every env serving task {target.task_id} is draining ({', '.join(candidates)}): add one "
                 "(POST /envs) or send it again later",
-                headers={"Retry-After": "5"},
+                retry_after_s=5,
             )
         policy = self.replicas.policy
         route = policy
@@ -118,9 +118,24 @@ class Admission:
                 f"{self.queued_attempts} attempts are queued or running and this request adds {attempts}: over "
                 f"this service's cap of {self.config.max_queued_attempts} (--max-queued-attempts). Send it again "
                 "when earlier groups have finished",
-                headers={"Retry-After": "5"},
+                retry_after_s=5,
             )
         return resolved
+
+    def start_batch(self, requests: list[GroupRequest]) -> list[asyncio.Task[bytes]]:
+        """A batch's groups (POST /groups/batch), at most --max-batch of them, started as one call."""
+        if len(requests) > self.config.max_batch:
+            raise Invalid(
+                "batch_too_large",
+                f"{len(requests)} groups is over this service's maximum of "
+                f"{self.config.max_batch} per batch (--max-batch)",
+            )
+        return self.start_groups(requests)
+
+    def count_held(self, attempts: int) -> None:
+        """Attempts of finished groups that wait for their reader (`stream_out.HeldResults`; negative
+        when sent or dropped): they keep their room under --max-queued-attempts until then."""
+        self.queued_attempts += attempts
 
     def start_groups(self, requests: list[GroupRequest]) -> list[asyncio.Task[bytes]]:
         """Admit and start groups; each is a task the service can cancel at shutdown. One share per
@@ -150,7 +165,7 @@ class Admission:
         assert runner is not None
         self.metrics.groups_in_flight.inc()
         try:
-            result = await runner.run_group(request, target, route, sequence, self.run_id, share)
+            result = await runner.run_group(request, target, route, sequence=sequence, run_id=self.run_id, share=share)
         finally:
             self.metrics.groups_in_flight.dec()
         if self.on_result is not None:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -34,10 +33,10 @@ from ..protocol import (
     ReplicaRemove,
     ReplicaState,
 )
-from .errors import Invalid, shutting_down
+from .errors import shutting_down
 from .health_detail import HealthDetail
 from .service import RolloutService
-from .stream_out import BoundedStream, HeldResults, disconnected
+from .stream_out import BoundedStream, HeldResults, batch_lines, disconnected
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -102,55 +101,13 @@ async def post_group(body: GroupRequest, request: Request) -> Response:
 )
 async def post_batch(body: BatchRequest, request: Request) -> Response:
     service = _service(request)
-    if len(body.groups) > service.config.max_batch:
-        raise Invalid(
-            "batch_too_large",
-            f"{len(body.groups)} groups is over this service's maximum of "
-            f"{service.config.max_batch} per batch (--max-batch)",
-        )
-    tasks = service.admission.start_groups(body.groups)
+    tasks = service.admission.start_batch(body.groups)
     sizes = [g.n for g in body.groups]
-    held = HeldResults(service)  # finished, unsent groups count against the queue cap (server/stream_out.py)
+    held = HeldResults(service.admission)  # finished, unsent groups count against the queue cap (stream_out.py)
     for task, size in zip(tasks, sizes, strict=True):
         held.hold_when_done(task, size)
-    lines = _stream(request, service, tasks, sizes, held)
+    lines = batch_lines(request, service.admission, tasks, sizes, held)
     return BoundedStream(lines, service.config.stream_stall_timeout, "POST /groups/batch")
-
-
-async def _stream(
-    request: Request, service: RolloutService, tasks: list[asyncio.Task[bytes]], sizes: list[int], held: HeldResults
-) -> AsyncIterator[bytes]:
-    """Each group's line as it finishes; a finished group is dropped here once sent."""
-    pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
-    del tasks
-    watcher = asyncio.ensure_future(disconnected(request))
-    try:
-        while pending:
-            done, _ = await asyncio.wait([*pending, watcher], return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done:
-                return  # the trainer went away: the finally below abandons everything
-            for task in done:
-                index = pending.pop(task)
-                sent = 0  # attempts held (a finished group) until its line is written
-                if task.cancelled():
-                    line = _error_line(index, "cancelled", "the group was cancelled (the service is shutting down)")
-                elif (exc := task.exception()) is not None:
-                    line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
-                else:  # ~1 MB for 8 exact attempts: copied once here
-                    line = b'{"index": %d, "group": %b}' % (index, task.result())
-                    sent = sizes[index]
-                yield line + b"\n"
-                held.release(sent)
-    finally:
-        held.close()
-        watcher.cancel()
-        # Handed to the service rather than awaited here: a disconnect cancels every await of this
-        # generator's cleanup, which would cut the slicing short.
-        service.admission.cancel_in_background({task: sizes[index] for task, index in pending.items()})
-
-
-def _error_line(index: int, error: str, message: str) -> bytes:
-    return json.dumps({"index": index, "error": {"error": error, "message": message[:500]}}).encode()
 
 
 @router.get("/policy", response_model=PolicyState, summary="The policy version served, per replica, and recent updates")
@@ -182,15 +139,7 @@ async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResul
     "routing (the reason in /health/detail). 422 pause_too_long past --max-pause-timeout.",
 )
 async def pause_policy(request: Request, body: PauseRequest | None = None) -> PolicyState:
-    service = ready(request)
-    config = service.config
-    timeout_s = config.pause_timeout if body is None or body.timeout_s is None else body.timeout_s
-    if timeout_s > config.max_pause_timeout:
-        raise Invalid(
-            "pause_too_long",
-            f"timeout_s {timeout_s:g} is over this service's --max-pause-timeout {config.max_pause_timeout:g}",
-        )
-    return await asyncio.shield(service.replicas.versions.pause(timeout_s))
+    return await asyncio.shield(ready(request).replicas.versions.pause(None if body is None else body.timeout_s))
 
 
 @router.get("/envs", response_model=list[EnvState], summary="The envs scheduled on, with their pools and slots held")

@@ -94,7 +94,8 @@ def http_status(exc: RequestRefused) -> int:
 
 
 async def _refused(request: Request, exc: RequestRefused) -> JSONResponse:
-    return error_response(http_status(exc), exc.error, exc.message, exc.headers)
+    headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+    return error_response(http_status(exc), exc.error, exc.message, headers)
 
 
 async def _bug(request: Request, exc: Exception) -> JSONResponse:

@@ -23,12 +23,12 @@ from inference.json_body import JsonList
 from ..protocol import GRADED_STATUSES, Attempt, AttemptTimings, Failure, GroupRequest, Turn
 from .endings import EpisodeEndings
 from .env_client import BadEnvAnswer, EnvError, EnvUnreachable, StepAnswer
-from .failures import Stale, TooManyTurns, TryState, classify
+from .failures import Stale, TooManyTurns, TryState, bug, classify
 from .metrics import Metrics
 from .outcome import fail, fail_stale, failed, score
 from .policy import PolicyManager
 from .scheduler import NoEnvLeft, WorldScheduler
-from .targets import EnvHandle, ModelRoute, TaskTarget
+from .targets import EnvHandle, GroupRun, ModelRoute
 from .trajectory import TokenPromptsUnsupported, TrajectoryBuilder
 
 log = logging.getLogger("rollout_service.runner")
@@ -86,19 +86,6 @@ class RunnerParts:
         return True
 
 
-@dataclass(frozen=True)
-class GroupRun:
-    """A group as its attempts see it. `priority` orders the group's claims on worlds; `share`
-    names the request it came with (concurrent requests get fair shares of the pools)."""
-
-    request: GroupRequest
-    target: TaskTarget
-    route: ModelRoute  # the group's policy route
-    group_id: str
-    sequence: int
-    share: object
-
-
 @dataclass
 class _Try:
     """One try's bookkeeping: where its time went, and what its ending must know."""
@@ -151,8 +138,9 @@ class AttemptRun:
                 raise
             except Exception as exc:  # a bug outside the episode loop: this attempt fails, its siblings go on
                 log.exception("attempt %d of group %s failed unexpectedly", self.index, self.group.group_id)
-                bug = Failure.of("internal_error", f"{type(exc).__name__}: {exc}")
-                result, retryable = failed(self.index, bug), False
+                # Not `classify`: outside the episode, a TimeoutError or an EnvError is a bug all the same.
+                verdict = bug(exc)
+                result, retryable = failed(self.index, verdict.failure), verdict.retryable
             result.tries, result.earlier_failures = len(earlier) + 1, earlier
             self.parts.went_stale(request, result)
             self.parts.metrics.attempt_done(result)

@@ -185,7 +185,8 @@ class EnvRegistry:
         another env of their task (added later) or fail as env_no_world when it is removed."""
         env = self._present(body.url)
         assert self.lifecycle.scheduler is not None
-        self.lifecycle.scheduler.drain_env(env.url)
+        slots = self.lifecycle.scheduler.drain_env(env.url)
+        log.info("env %s draining: no new episode starts on it; %d still run", env.url, slots.held)
         return self.state(env)
 
     async def remove(self, body: EnvRemove) -> EnvRemoved:

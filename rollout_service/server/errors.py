@@ -16,11 +16,12 @@ class IncomparableEnv(StartupError):
 
 
 class RequestRefused(Exception):
-    """A request cannot be served as sent: a code a program can test, what to change, extra headers."""
+    """A request cannot be served as sent: a code a program can test, what to change, and (for a
+    refusal that time may lift) how many seconds to wait before asking again."""
 
-    def __init__(self, error: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, error: str, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
-        self.error, self.message, self.headers = error, message, headers or {}
+        self.error, self.message, self.retry_after_s = error, message, retry_after_s
 
 
 class NotFound(RequestRefused):

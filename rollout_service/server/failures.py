@@ -72,6 +72,12 @@ def _env_error(exc: EnvError, _: TryState) -> Classified:
     return _as(cast(FailureKind, exc.kind), f"{exc.status or 'no answer'} {exc.error}: {exc.message}", exc.retryable)
 
 
+def bug(exc: BaseException) -> Classified:
+    """A bug, or a malformed answer: the attempt fails as `internal_error` and is not run again. The
+    table's last row, and what fails an attempt that raised outside its episode, whatever the type."""
+    return _as("internal_error", f"{type(exc).__name__}: {exc}")
+
+
 Row = tuple[type[BaseException], Callable[[Any, TryState], Classified]]
 
 TABLE: tuple[Row, ...] = (
@@ -83,7 +89,7 @@ TABLE: tuple[Row, ...] = (
     (EnvError, _env_error),  # each subclass names its kind (env_gone, env_rejected, ...)
     (InferenceError, lambda exc, _: _as(cast(FailureKind, exc.kind), exc.detail)),  # context_overflow too
     (asyncio.CancelledError, lambda _, __: _as("cancelled", "the group was cancelled (trainer gone or shutdown)")),
-    (Exception, lambda exc, _: _as("internal_error", f"{type(exc).__name__}: {exc}")),  # a bug, or a malformed answer
+    (Exception, lambda exc, _: bug(exc)),  # a bug, or a malformed answer
 )
 
 

@@ -88,7 +88,10 @@ class BackendMonitor:
         try:
             health = await asyncio.wait_for(env.client.health(), _PROBE_TIMEOUT_S)
             extra = health.model_extra or {}
-            state.update(ok=health.status == "ready", status=health.status, leased=extra.get("leased"))
+            leased = extra.get("leased")  # an env's extra, not the contract's: kept only as a count
+            if not isinstance(leased, int) or isinstance(leased, bool):
+                leased = None
+            state.update(ok=health.status == "ready", status=health.status, leased=leased)
             if health.status != "ready":
                 state["error"] = f"status {health.status!r}"
         except Exception as exc:  # any failure to answer is "not ok", with its words

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ..protocol import PolicyState
 from .admission import Admission
 from .envs import EnvRegistry
 from .replicas import ReplicaRegistry, token_prompts
@@ -34,7 +35,7 @@ class EnvDetail(_Probed):
     side: str | None  # the env's declared side (eval, train), if it declares one
     busy_world_seconds: float
     status: str | None = None  # the env's own word at the last probe
-    leased: Any = None
+    leased: int | None = None  # the worlds the env itself counts as in use, where its /health says (refenv does)
 
 
 class ModelDetail(_Probed):
@@ -71,7 +72,7 @@ class HealthDetail(BaseModel):
     episodes_ending: int | None = None
     envs: list[EnvDetail] | None = None
     models: list[ModelDetail] | None = None
-    policy: dict[str, Any] | None = None
+    policy: PolicyState | None = None
     warnings: list[str] | None = None  # how the service runs unsafely (--insecure-no-auth), for as long as it does
 
 
@@ -171,5 +172,5 @@ class Health:
             episodes_ending=runner.episodes_ending if runner else 0,
             envs=envs,
             models=models,
-            policy=versions.state().model_dump(),
+            policy=versions.state(),  # sets every field: the route's exclude_unset leaves none out
         )

@@ -13,14 +13,13 @@ from ..protocol import (
     Counts,
     Failure,
     FailureKind,
-    GroupRequest,
     GroupResult,
     Turn,
 )
 from .env_client import StepAnswer
 from .failures import Unscorable
 from .policy import PolicyManager
-from .targets import ModelRoute, TaskTarget
+from .targets import GroupRun
 
 # The env finished the episode but says it could not grade it: infrastructure, not a zero.
 UNSCORABLE_CATEGORIES = ("transport_error", "environment_failure")
@@ -81,17 +80,16 @@ def version_span(turns: list[Turn], versions: PolicyManager | None) -> tuple[str
 
 
 def assemble(
-    request: GroupRequest,
-    target: TaskTarget,
-    policy: ModelRoute,
-    group_id: str,
+    group: GroupRun,
     attempts: list[Attempt],
+    *,
     wall_s: float,
     run_id: str | None,
     versions: PolicyManager | None = None,
 ) -> GroupResult:
     """The group's result: policy failures earn `policy_failure_reward` (flagged by their status),
     unscorable attempts carry no reward; advantages are over the attempts that carry one."""
+    request, target = group.request, group.target
     for a in attempts:
         if a.status == "policy_failure":
             a.reward, a.pass_ = request.policy_failure_reward, False
@@ -132,12 +130,12 @@ def assemble(
         update={"urls": sorted({a.env for a in attempts if a.env}) or [e.url for e in target.envs]}
     )
     return GroupResult(
-        group_id=group_id,
+        group_id=group.group_id,
         task_id=target.task_id,
         slug=target.slug,
         oldest_policy_version=oldest,
         newest_policy_version=newest,
-        model=policy.model,
+        model=group.route.model,
         sampling=s.model_dump(exclude_none=True),
         n=request.n,
         advantage_kind=request.advantage,

@@ -38,6 +38,10 @@ class PolicyManager:
         base_model: str,
         metrics: Metrics,
         checkpoint_root: str | None = None,
+        *,
+        max_loras: int | None = None,
+        pause_timeout_s: float | None = None,
+        max_pause_timeout_s: float | None = None,
     ) -> None:
         self.client = client
         self.checkpoint_root = checkpoint_root
@@ -45,7 +49,9 @@ class PolicyManager:
         self.metrics = metrics
         self._lock = asyncio.Lock()
         self.book = VersionBook(base_model, [e.url for e in client.endpoints])
-        self.pause_lease = PauseLease(client, self.book, self._lock)
+        if max_loras is not None:
+            self.book.max_loras = max_loras  # how many pinned versions' adapters may stay loaded
+        self.pause_lease = PauseLease(client, self.book, self._lock, pause_timeout_s, max_pause_timeout_s)
         self.updater = ReplicaUpdater(client, self.book, self.pause_lease)
         self._restoring: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -159,9 +165,10 @@ class PolicyManager:
 
     # -- updates -----------------------------------------------------------------------------
 
-    async def pause(self, timeout_s: float) -> PolicyState:
+    async def pause(self, timeout_s: float | None = None) -> PolicyState:
         """Hold every replica paused for a weight transfer the trainer does itself, for `timeout_s`
-        at most (a lease: asking again while paused renews it)."""
+        at most (a lease: asking again while paused renews it); None: the service's default lease."""
+        timeout_s = self.pause_lease.lease_for(timeout_s)  # refused before any replica is paused
         async with self._lock:
             await self.pause_lease.hold(timeout_s)
             return self.state()
@@ -243,7 +250,10 @@ class PolicyManager:
             )
             self.book.history.append(result)
             self.metrics.policy_update(result.kind, result.seconds)
-            log.warning(
+            # A lifecycle event when every replica took it; a warning when some did not (they stay out
+            # of routing until the monitor brings them to this version).
+            log.log(
+                logging.INFO if len(took) == len(outcomes) else logging.WARNING,
                 "policy version %s (%s) served by %d of %d replicas",
                 version.label,
                 version.kind,

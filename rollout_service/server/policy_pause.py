@@ -14,7 +14,7 @@ import time
 from inference.errors import WeightUpdateError
 from inference.replicas import Endpoint, ReplicaPool, engine_of
 
-from .errors import BackendFailed, Conflict
+from .errors import BackendFailed, Conflict, Invalid
 from .policy_calls import describe, read_label, timed
 from .policy_versions import VersionBook, weights_match
 
@@ -26,10 +26,20 @@ class PauseLease:
 
     `lock` is the policy manager's: a pause, its lease running out and an update never interleave."""
 
-    def __init__(self, client: ReplicaPool, book: VersionBook, lock: asyncio.Lock) -> None:
+    def __init__(
+        self,
+        client: ReplicaPool,
+        book: VersionBook,
+        lock: asyncio.Lock,
+        default_s: float | None = None,
+        max_s: float | None = None,
+    ) -> None:
         self.client = client
         self.book = book
         self.lock = lock
+        # The lease when the trainer names none, and the longest it may name (the service's
+        # --pause-timeout and --max-pause-timeout); None: it must name one, and any is taken.
+        self.default_s, self.max_s = default_s, max_s
         self.paused = False  # held by the trainer until its POST /policy or the lease ends
         self.paused_since: float | None = None
         self.deadline = 0.0  # monotonic: when the trainer's pause lease runs out
@@ -51,6 +61,18 @@ class PauseLease:
         """No turn starts until the next resume (a reload is under way)."""
         self._unpaused.clear()
 
+    def lease_for(self, timeout_s: float | None) -> float:
+        """The lease a pause asking for `timeout_s` (None: the default) gets, or Invalid."""
+        if timeout_s is None:
+            if self.default_s is None:
+                raise Invalid("pause_timeout_needed", "name the pause's timeout_s: this service has no default")
+            timeout_s = self.default_s
+        if self.max_s is not None and timeout_s > self.max_s:
+            raise Invalid(
+                "pause_too_long", f"timeout_s {timeout_s:g} is over this service's --max-pause-timeout {self.max_s:g}"
+            )
+        return timeout_s
+
     async def hold(self, timeout_s: float) -> None:
         """Hold every replica paused for a weight transfer the trainer does itself, for `timeout_s`
         at most (asking again while paused renews the lease). The caller holds `lock`."""
@@ -70,6 +92,7 @@ class PauseLease:
         self._unpaused.clear()
         self.deadline = time.monotonic() + timeout_s
         self.task = asyncio.create_task(self._watch(), name="pause-lease")
+        log.info("policy pause taken: %d replica(s) paused for up to %gs", len(endpoints), timeout_s)
 
     def end(self) -> None:
         """The service stops: the lease ends with it (the manager's close resumes what it holds)."""
@@ -131,6 +154,9 @@ class PauseLease:
             else:
                 self.still_paused.add(outcome.url)
                 self.client.exclude(outcome.endpoint, f"could not be resumed: {outcome.error}")
+        if self.paused:  # the trainer's pause ends here (its update, its lease running out, shutdown)
+            resumed = sum(o.ok for o in results)
+            log.info("policy pause released: %d of %d replica(s) resumed", resumed, len(results))
         self.paused, self.paused_since, self.held = False, None, []
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()

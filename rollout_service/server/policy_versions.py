@@ -160,7 +160,7 @@ class VersionBook:
                     "too_many_pins",
                     f"pinning version {label!r} would keep {len(kept) + 1} adapters loaded (the current one and "
                     f"those pinned), over --max-loras={self.max_loras}: wait for pinned groups to finish",
-                    headers={"Retry-After": "5"},
+                    retry_after_s=5,
                 )
         return version
 

@@ -41,7 +41,15 @@ class ReplicaRegistry:
         self.lifecycle = lifecycle
         self.allowed = allowed  # what POST /replicas may reach
         self.policy = ModelRoute(config.model, _replica_pool(config.vllm, config, allowed))
-        self.versions = PolicyManager(self.policy.client, self.policy.request_model, metrics, config.checkpoint_root)
+        self.versions = PolicyManager(
+            self.policy.client,
+            self.policy.request_model,
+            metrics,
+            config.checkpoint_root,
+            max_loras=config.max_loras,
+            pause_timeout_s=config.pause_timeout,
+            max_pause_timeout_s=config.max_pause_timeout,
+        )
         self.support: ModelRoute | None = None
         if config.support_model:
             self.support = ModelRoute(
@@ -159,6 +167,7 @@ class ReplicaRegistry:
                 f"{endpoint.url} is the last {body.role} replica in routing: add one (and let it be routed) first",
             )
         route.client.drain(endpoint, "draining: no new turn goes to it")
+        log.info("%s replica %s draining: no new turn goes to it", body.role, endpoint.url)
         return self.state(body.role, endpoint)
 
     async def remove(self, body: ReplicaRemove) -> ReplicaState:

@@ -13,13 +13,13 @@ import time
 import uuid
 
 from ..protocol import GroupRequest, GroupResult
-from .attempt import AttemptRun, GroupRun, RunnerConfig, RunnerParts
+from .attempt import AttemptRun, RunnerConfig, RunnerParts
 from .endings import EpisodeEndings
 from .metrics import Metrics
 from .outcome import assemble
 from .policy import PolicyManager
 from .scheduler import WorldScheduler
-from .targets import ModelRoute, TaskTarget
+from .targets import GroupRun, ModelRoute, TaskTarget
 
 
 class GroupRunner:
@@ -64,6 +64,7 @@ class GroupRunner:
         request: GroupRequest,
         target: TaskTarget,
         policy: ModelRoute,
+        *,
         sequence: int | None = None,
         run_id: str | None = None,
         share: object = None,
@@ -94,8 +95,6 @@ class GroupRunner:
                 policy.renderer.forget(group_id)
             if self.parts.support is not None:
                 self.parts.support.client.unpin(group_id)
-        result = assemble(
-            request, target, policy, group_id, attempts, time.monotonic() - started, run_id, self.parts.versions
-        )
+        result = assemble(group, attempts, wall_s=time.monotonic() - started, run_id=run_id, versions=versions)
         self.parts.metrics.group_done(result)
         return result

@@ -13,7 +13,6 @@ from fastapi.responses import Response
 from ..protocol import ErrorBody
 from ..sampler_protocol import SampleRequest, StreamCreate, StreamPull, StreamState, TaskStats
 from .api import ready
-from .errors import Conflict
 from .sampler import Sampler
 from .sampler_streams import dropped_line, sample_summary, summary_line
 from .stream_out import BoundedStream, HeldResults
@@ -34,7 +33,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 )
 async def sample(body: SampleRequest, request: Request) -> Response:
     service = ready(request)
-    held = HeldResults(service)
+    held = HeldResults(service.admission)
     sampler = Sampler(service, body, body.budget, lambda: body.count - sampler.tally.kept, held)
     sampler.check_first()  # what would refuse every group is an HTTP error, before any line
     return BoundedStream(
@@ -108,19 +107,12 @@ async def stream_state(stream_id: str, request: Request) -> StreamState:
 async def pull(stream_id: str, body: StreamPull, request: Request) -> Response:
     service = ready(request)
     stream = service.samplers.get(stream_id)
-    if stream.pulling:
-        raise Conflict("pull_in_progress", f"sampler stream {stream_id} is being pulled from already")
-    stream.pulling = True
-
-    def ended() -> None:
-        stream.pulling = False
-
     return BoundedStream(
-        stream.pull(body.count, body.timeout_s),
+        stream.start_pull(body.count, body.timeout_s),
         service.config.stream_stall_timeout,
         f"pull from sampler stream {stream_id}",
         request=request,
-        on_end=ended,
+        on_end=stream.end_pull,
     )
 
 

@@ -25,7 +25,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
 from ..sampler_protocol import DroppedGroup, SampleSummary, StreamCreate, StreamState
-from .errors import Gone, NotFound
+from .errors import Conflict, Gone, NotFound
 from .result_json import one_line
 from .sampler import DropCounts, Finished, Sampler
 from .stream_out import HeldResults
@@ -104,7 +104,7 @@ class SamplerStream:
         self.service = service
         self.body = body
         self.metrics = metrics
-        self.held = HeldResults(service)
+        self.held = HeldResults(service.admission)
         self.buffer: deque[Finished] = deque()
         # Lines of dropped groups waiting for the next pull, at most _DROPS_KEPT: past that the oldest
         # line goes, counted in `unreported` (the summary says how many), never silently.
@@ -191,6 +191,18 @@ class SamplerStream:
         )
         self.sampler.count_dropped(lost)
         self._tell(lost)
+
+    def start_pull(self, count: int, timeout_s: float) -> AsyncIterator[bytes]:
+        """The lines of a pull (`pull`): one pull at a time, or 409 pull_in_progress."""
+        if self.pulling:
+            raise Conflict("pull_in_progress", f"sampler stream {self.id} is being pulled from already")
+        self.pulling = True
+        return self.pull(count, timeout_s)
+
+    def end_pull(self) -> None:
+        """The pull's answer has ended, also where it ended before its first line (the lines' own
+        `finally` then never ran)."""
+        self.pulling = False
 
     async def pull(self, count: int, timeout_s: float) -> AsyncIterator[bytes]:
         """NDJSON: `count` groups ({"lag", "group"}), the dropped groups' lines as they come, then the
@@ -324,6 +336,8 @@ class SamplerStreams:
         self.streams[stream_id] = stream
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.ensure_future(self._reap())
+        budget = f", max_groups {body.max_groups}" if body.max_groups is not None else ""
+        log.info("sampler stream %s opened: buffer %d%s", stream_id, body.buffer, budget)
         return stream
 
     def get(self, stream_id: str) -> SamplerStream:
@@ -340,8 +354,9 @@ class SamplerStreams:
             "Create a new one with POST /samplers",
         )
 
-    async def remove(self, stream_id: str, why: str) -> SamplerStream:
+    async def remove(self, stream_id: str, why: str, level: int = logging.INFO) -> SamplerStream:
         stream = self.get(stream_id)
+        log.log(level, "sampler stream %s closed: %s", stream_id, why)
         del self.streams[stream_id]
         self.gone[stream_id] = why
         while len(self.gone) > _GONE_KEPT:
@@ -356,8 +371,8 @@ class SamplerStreams:
             for stream in list(self.streams.values()):
                 idle = now - stream.last_used
                 if not stream.pulling and idle > stream.body.idle_timeout_s:
-                    log.warning("sampler stream %s expired: no pull for %.0fs", stream.id, idle)
-                    await self.remove(stream.id, f"expired: no pull for idle_timeout_s={stream.body.idle_timeout_s:g}s")
+                    why = f"expired: no pull for idle_timeout_s={stream.body.idle_timeout_s:g}s"
+                    await self.remove(stream.id, why, logging.WARNING)
 
     async def close(self) -> None:
         if self._reaper is not None:

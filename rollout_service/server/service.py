@@ -65,7 +65,6 @@ class RolloutService:
         self.task_stats = TaskStatsBook(self.replicas.versions, self.metrics)
         self.admission.on_result = self.task_stats.record
         self.samplers = SamplerStreams(self)
-        self.replicas.versions.book.max_loras = config.max_loras  # how many pinned versions' adapters may stay loaded
 
     async def start(self, say: Callable[[str], None] = log.info) -> None:
         """Wait for every env and model server to answer, then check that they fit together.
@@ -127,7 +126,9 @@ class RolloutService:
 
     def cancel_running(self) -> None:
         """Shutting down: refuse new groups, cancel every running one; their episodes are abandoned on
-        the way out."""
+        the way out. Called as the server's shutdown begins and again by close: said once."""
+        if not self.lifecycle.closing:
+            log.info("shutting down: cancelling %d running groups", len(self.admission.running))
         self.lifecycle.closing = True
         self.replicas.versions.begin_close()  # a replica that joins from now on gets no restore started
         self.admission.cancel_all()

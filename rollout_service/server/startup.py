@@ -65,7 +65,7 @@ class Lifecycle:
             raise Unavailable(
                 "starting",
                 f"the service is starting: {self.starting_summary()}",
-                headers={"Retry-After": "5"},
+                retry_after_s=5,
             )
 
     def starting_summary(self) -> str:

@@ -11,6 +11,7 @@ are in the run log already).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 if TYPE_CHECKING:
-    from .service import RolloutService
+    from .admission import Admission
 
 log = logging.getLogger("rollout_service.stream")
 
@@ -30,8 +31,8 @@ class HeldResults:
     """Attempts of finished groups that wait for a reader, counted in the service's queued attempts
     (which a group leaves when it finishes) until they are sent or dropped."""
 
-    def __init__(self, service: RolloutService) -> None:
-        self.service = service
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
         self.attempts = 0
         self.closed = False
 
@@ -49,12 +50,12 @@ class HeldResults:
         if self.closed:  # finished as its reader went: nothing will wait for it
             return
         self.attempts += attempts
-        self.service.admission.queued_attempts += attempts
+        self.admission.count_held(attempts)
 
     def release(self, attempts: int) -> None:
         attempts = min(attempts, self.attempts)
         self.attempts -= attempts
-        self.service.admission.queued_attempts -= attempts
+        self.admission.count_held(-attempts)
 
     def close(self) -> None:
         """Nothing more will be sent: release what is held, and hold nothing that finishes later."""
@@ -135,3 +136,41 @@ async def disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def batch_lines(
+    request: Request, admission: Admission, tasks: list[asyncio.Task[bytes]], sizes: list[int], held: HeldResults
+) -> AsyncIterator[bytes]:
+    """POST /groups/batch's answer: each group's line as it finishes, `{index, group}` or `{index, error}`;
+    a finished group is dropped here once sent. What has not finished when the reader goes (or the
+    answer is cut off) is cancelled: its episodes abandoned, its worlds released."""
+    pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
+    del tasks
+    watcher = asyncio.ensure_future(disconnected(request))
+    try:
+        while pending:
+            done, _ = await asyncio.wait([*pending, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                return  # the trainer went away: the finally below abandons everything
+            for task in done:
+                index = pending.pop(task)
+                sent = 0  # attempts held (a finished group) until its line is written
+                if task.cancelled():
+                    line = _error_line(index, "cancelled", "the group was cancelled (the service is shutting down)")
+                elif (exc := task.exception()) is not None:
+                    line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
+                else:  # ~1 MB for 8 exact attempts: copied once here
+                    line = b'{"index": %d, "group": %b}' % (index, task.result())
+                    sent = sizes[index]
+                yield line + b"\n"
+                held.release(sent)
+    finally:
+        held.close()
+        watcher.cancel()
+        # Handed to the admission rather than awaited here: a disconnect cancels every await of this
+        # generator's cleanup, which would cut the slicing short.
+        admission.cancel_in_background({task: sizes[index] for task, index in pending.items()})
+
+
+def _error_line(index: int, error: str, message: str) -> bytes:
+    return json.dumps({"index": index, "error": {"error": error, "message": message[:500]}}).encode()

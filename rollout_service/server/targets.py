@@ -1,6 +1,6 @@
 """What a group runs against: its task's envs (`TaskTarget`, each env an `EnvHandle`) and the model
 route that answers its turns (`ModelRoute`). The env registry and the replica registry build them;
-the runner reads them."""
+the runner reads them, and carries them with the group's request as one `GroupRun`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from inference.replicas import ReplicaPool
 
-from ..protocol import EnvContract
+from ..protocol import EnvContract, GroupRequest
 from .env_client import EnvClient
 from .scheduler import EnvSlots
 from .trajectory import TemplateRenderer
@@ -62,3 +62,16 @@ class TaskTarget:
     def drained(self, include_eval: bool) -> bool:
         """Whether every env of `candidates` drains: none starts an episode of it (true of none at all)."""
         return all(e.slots.draining for e in self.envs if include_eval or e.contract.side != "eval")
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    """A group as its attempts and its result see it. `sequence` orders the group's claims on worlds;
+    `share` names the request it came with (concurrent requests get fair shares of the pools)."""
+
+    request: GroupRequest
+    target: TaskTarget
+    route: ModelRoute  # the group's policy route
+    group_id: str
+    sequence: int
+    share: object

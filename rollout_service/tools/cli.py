@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import os
 import signal
 import sys
@@ -72,7 +73,13 @@ def _serve(args: argparse.Namespace) -> int:
     server.run()
     failure = app.state.service.lifecycle.startup_failure
     if failure is not None:
-        print(f"rollout-service serve: cannot start: {failure}", file=sys.stderr)
+        # Through logging, configured above: a JSON record under --log-format json, like every other line;
+        # printed where --log-level leaves errors out, since an exit without a word says nothing.
+        log = logging.getLogger("rollout_service.serve")
+        if log.isEnabledFor(logging.ERROR):
+            log.error("cannot start: %s", failure)
+        else:
+            print(f"rollout-service serve: cannot start: {failure}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
 
