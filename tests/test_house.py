@@ -160,7 +160,7 @@ def test_a_policy_update_is_info_when_every_replica_took_it_and_a_warning_when_s
             await manager.pause(30)
             await manager.update(PolicyUpdate(version="v2"))  # the trainer pushed the weights itself
             assert ("INFO", "policy pause taken: 2 replica(s) paused for up to 30s") in policy_records()
-            assert ("INFO", "policy pause released: 2 of 2 replica(s) resumed") in policy_records()
+            assert ("INFO", "policy pause released: 2 replica(s) resumed, 0 kept paused") in policy_records()
             assert ("INFO", "policy version v2 (pushed) served by 2 of 2 replicas") in policy_records()
 
             fleet[1].reload_fail = "clean"

@@ -498,7 +498,7 @@ def test_a_client_that_goes_away_mid_answer_gets_its_worlds_and_queue_room_back(
     threading.Thread(target=pull_again, daemon=True).start()
     assert wait_until(lambda: bool(again), timeout_s=30)
     assert again == [200], again
-    # A 200 means the pull is registered (the route marks it before answering): DELETE now ends it,
+    # A 200 means the pull is registered (start_pull marks it before the route answers): DELETE now ends it,
     # whether it already waits for a group or has yet to look.
     assert httpx.delete(f"{service}/samplers/{stream_id}", timeout=60).status_code == 200
     assert ended.wait(20), "a pull waiting on a deleted stream did not end"

@@ -208,3 +208,59 @@ def test_text_with_unicode_line_breaks_keeps_each_group_one_line(start_refenv, s
 
     got = asyncio.run(async_groups())
     assert [g.attempts[0].turns[-1].completion for g in got] == [ANSWER_BREAKS, ANSWER_BREAKS]
+
+
+def test_a_batch_answer_that_ends_before_its_first_line_still_cancels_its_groups():
+    """The answer's task can end before its lines begin (the client gone as the head is written, a
+    `send` that yields): their generator then never runs, so its `finally` cannot clean up, and the
+    answer's `on_end` must. The real response, lines and held-results accounting; a stand-in admission
+    and ASGI channel, since a real uvicorn cannot be made to yield at that one `send` on demand.
+    Break tried: batch_answer without on_end=batch.abandon (as the route was) -> the groups run on for
+    nobody and their 8 attempts stay counted against the queue, fails."""
+    import asyncio
+
+    from rollout_service.server.stream_out import HeldResults, batch_answer
+
+    class Admission:  # counts as rollout_service.server.admission.Admission does
+        def __init__(self) -> None:
+            self.queued_attempts = 0
+
+        def count_held(self, attempts: int) -> None:
+            self.queued_attempts += attempts
+
+        def cancel_in_background(self, groups: dict) -> None:
+            for task in groups:
+                task.cancel()
+
+    async def answer() -> tuple[list[bool], bool, int]:
+        admission = Admission()
+        release = asyncio.Event()
+
+        async def group() -> bytes:
+            await release.wait()
+            return b"{}"
+
+        tasks = [asyncio.ensure_future(group()) for _ in range(2)]
+        for task in tasks:  # queued from admission, uncounted when done (Admission.start_groups)
+            admission.queued_attempts += 4
+            task.add_done_callback(lambda _: admission.count_held(-4))
+        held = HeldResults(admission)
+        for task in tasks:
+            held.hold_when_done(task, 4)
+
+        async def receive() -> dict:
+            return {"type": "http.disconnect"}  # the client is gone already
+
+        async def send(message: dict) -> None:
+            await asyncio.sleep(0)  # the server's send yields (its writes paused)
+
+        request = type("Request", (), {"receive": staticmethod(receive)})()
+        response = batch_answer(request, admission, tasks, [4, 4], held, 5.0)  # type: ignore[arg-type]
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+        await response(scope, receive, send)  # type: ignore[arg-type]
+        release.set()  # a group that was not cancelled would finish now, and be held for nobody
+        await asyncio.wait(tasks)
+        return [t.cancelled() for t in tasks], held.closed, admission.queued_attempts
+
+    cancelled, closed, queued = asyncio.run(answer())
+    assert cancelled == [True, True] and closed and queued == 0, (cancelled, closed, queued)

@@ -36,7 +36,7 @@ from ..protocol import (
 from .errors import shutting_down
 from .health_detail import HealthDetail
 from .service import RolloutService
-from .stream_out import BoundedStream, HeldResults, batch_lines, disconnected
+from .stream_out import HeldResults, batch_answer, disconnected
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -106,8 +106,7 @@ async def post_batch(body: BatchRequest, request: Request) -> Response:
     held = HeldResults(service.admission)  # finished, unsent groups count against the queue cap (stream_out.py)
     for task, size in zip(tasks, sizes, strict=True):
         held.hold_when_done(task, size)
-    lines = batch_lines(request, service.admission, tasks, sizes, held)
-    return BoundedStream(lines, service.config.stream_stall_timeout, "POST /groups/batch")
+    return batch_answer(request, service.admission, tasks, sizes, held, service.config.stream_stall_timeout)
 
 
 @router.get("/policy", response_model=PolicyState, summary="The policy version served, per replica, and recent updates")

@@ -104,7 +104,7 @@ async def _bug(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _started(app: FastAPI, start: asyncio.Future) -> None:
-    """Start-up gave up: keep why (the CLI prints it and exits 1) and stop the server."""
+    """Start-up gave up: keep why (the CLI logs it and exits 1) and stop the server."""
     if start.cancelled() or start.exception() is None:
         return
     failure = start.exception()

@@ -64,8 +64,8 @@ class PauseLease:
     def lease_for(self, timeout_s: float | None) -> float:
         """The lease a pause asking for `timeout_s` (None: the default) gets, or Invalid."""
         if timeout_s is None:
-            if self.default_s is None:
-                raise Invalid("pause_timeout_needed", "name the pause's timeout_s: this service has no default")
+            if self.default_s is None:  # a manager made without the service's settings: the caller's bug
+                raise ValueError("this pause lease has no default: name timeout_s")
             timeout_s = self.default_s
         if self.max_s is not None and timeout_s > self.max_s:
             raise Invalid(
@@ -155,8 +155,10 @@ class PauseLease:
                 self.still_paused.add(outcome.url)
                 self.client.exclude(outcome.endpoint, f"could not be resumed: {outcome.error}")
         if self.paused:  # the trainer's pause ends here (its update, its lease running out, shutdown)
-            resumed = sum(o.ok for o in results)
-            log.info("policy pause released: %d of %d replica(s) resumed", resumed, len(results))
+            resumed = {o.url for o in results if o.ok}
+            # Not resumed: a lease run out keeps replicas with pushed weights paused, or a resume failed.
+            kept = {e.url for e in self.held} - resumed
+            log.info("policy pause released: %d replica(s) resumed, %d kept paused", len(resumed), len(kept))
         self.paused, self.paused_since, self.held = False, None, []
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()

@@ -138,38 +138,68 @@ async def disconnected(request: Request) -> None:
             return
 
 
-async def batch_lines(
-    request: Request, admission: Admission, tasks: list[asyncio.Task[bytes]], sizes: list[int], held: HeldResults
-) -> AsyncIterator[bytes]:
-    """POST /groups/batch's answer: each group's line as it finishes, `{index, group}` or `{index, error}`;
-    a finished group is dropped here once sent. What has not finished when the reader goes (or the
-    answer is cut off) is cancelled: its episodes abandoned, its worlds released."""
-    pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
-    del tasks
-    watcher = asyncio.ensure_future(disconnected(request))
-    try:
-        while pending:
-            done, _ = await asyncio.wait([*pending, watcher], return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done:
-                return  # the trainer went away: the finally below abandons everything
-            for task in done:
-                index = pending.pop(task)
-                sent = 0  # attempts held (a finished group) until its line is written
-                if task.cancelled():
-                    line = _error_line(index, "cancelled", "the group was cancelled (the service is shutting down)")
-                elif (exc := task.exception()) is not None:
-                    line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
-                else:  # ~1 MB for 8 exact attempts: copied once here
-                    line = b'{"index": %d, "group": %b}' % (index, task.result())
-                    sent = sizes[index]
-                yield line + b"\n"
-                held.release(sent)
-    finally:
-        held.close()
-        watcher.cancel()
-        # Handed to the admission rather than awaited here: a disconnect cancels every await of this
-        # generator's cleanup, which would cut the slicing short.
-        admission.cancel_in_background({task: sizes[index] for task, index in pending.items()})
+class BatchLines:
+    """POST /groups/batch's answer: each group's line as it finishes, `{index, group}` or `{index,
+    error}`; a group is let go here once sent. `abandon` (the answer's `on_end`, and the lines' own
+    `finally`) cancels what was not sent (episodes abandoned, worlds released) and gives back the
+    queue room held: also when the answer ended before its first line, where the lines never began."""
+
+    def __init__(
+        self,
+        request: Request,
+        admission: Admission,
+        tasks: list[asyncio.Task[bytes]],
+        sizes: list[int],
+        held: HeldResults,
+    ) -> None:
+        self.request, self.admission, self.sizes, self.held = request, admission, sizes, held
+        self.pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        pending, sizes, held = self.pending, self.sizes, self.held
+        watcher = asyncio.ensure_future(disconnected(self.request))
+        try:
+            while pending:
+                done, _ = await asyncio.wait([*pending, watcher], return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    return  # the trainer went away: the finally below abandons everything
+                for task in done:
+                    index = pending.pop(task)
+                    sent = 0  # attempts held (a finished group) until its line is written
+                    if task.cancelled():
+                        line = _error_line(index, "cancelled", "the group was cancelled (the service is shutting down)")
+                    elif (exc := task.exception()) is not None:
+                        line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
+                    else:  # ~1 MB for 8 exact attempts: copied once here
+                        line = b'{"index": %d, "group": %b}' % (index, task.result())
+                        sent = sizes[index]
+                    del task
+                    yield line + b"\n"
+                    held.release(sent)
+        finally:
+            watcher.cancel()
+            self.abandon()
+
+    def abandon(self) -> None:
+        self.held.close()
+        # Handed to the admission rather than awaited here: a disconnect cancels every await of the
+        # answer's cleanup, which would cut the slicing short.
+        unsent, self.pending = self.pending, {}
+        self.admission.cancel_in_background({task: self.sizes[index] for task, index in unsent.items()})
+
+
+def batch_answer(
+    request: Request,
+    admission: Admission,
+    tasks: list[asyncio.Task[bytes]],
+    sizes: list[int],
+    held: HeldResults,
+    stall_timeout_s: float,
+) -> BoundedStream:
+    """POST /groups/batch's answer over its started groups (`sizes`: their attempts, held in `held`)."""
+    batch = BatchLines(request, admission, tasks, sizes, held)
+    del tasks  # from here on the answer holds a group only until its line is sent
+    return BoundedStream(batch.lines(), stall_timeout_s, "POST /groups/batch", on_end=batch.abandon)
 
 
 def _error_line(index: int, error: str, message: str) -> bytes:
