@@ -16,19 +16,20 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import orjson
+from prometheus_client import Counter as PromCounter
 from pydantic import ValidationError
 
 from ..protocol import GRADED_STATUSES, describe_errors, short_text
 from ..sampler_protocol import DroppedGroup, TaskDraw, _SamplerSettings, group_from_template
+from .admission import Admission
+from .envs import EnvRegistry
 from .errors import Conflict, Invalid, NotFound, RequestRefused
+from .policy import PolicyManager
+from .policy_versions import PolicyVersion
 from .stream_out import HeldResults
-
-if TYPE_CHECKING:
-    from .policy_versions import PolicyVersion
-    from .service import RolloutService
+from .task_stats import TaskStatsBook
 
 # Refusals after which the sampler stops: the service itself cannot run groups now.
 _SERVICE_REFUSALS = frozenset({"shutting_down", "starting", "start_failed"})
@@ -48,6 +49,19 @@ class Finished:
     dropped: DroppedGroup | None = None
     oldest_version: str | None = None
     completion_tokens: int = 0  # what it cost: a kept group dropped later (stale) still counts it
+
+
+@dataclass(frozen=True)
+class SamplerRooms:
+    """What a sampler uses of the service: the envs it draws from, the admission its groups go through
+    (as POST /groups's do), the policy's versions, the difficulty book, its kept and dropped counters."""
+
+    envs: EnvRegistry
+    admission: Admission
+    versions: PolicyManager
+    task_stats: TaskStatsBook
+    kept: PromCounter
+    dropped: PromCounter
 
 
 @dataclass
@@ -113,13 +127,13 @@ class Tally(DropCounts):
         return {why: sorted(ids) for why, ids in self.skipped.items()}
 
 
-def draw_buckets(service: RolloutService, draw: TaskDraw, template: dict) -> list[tuple[float, list[str]]]:
+def draw_buckets(rooms: SamplerRooms, draw: TaskDraw, template: dict) -> list[tuple[float, list[str]]]:
     """The buckets a request draws from, or RequestRefused (404/409/422) naming what does not exist
     or may not be drawn."""
     allow_eval = bool(template.get("allow_eval_side", False))
 
     def eligible(task_id: str) -> bool:
-        target = service.envs.targets.get(task_id)
+        target = rooms.envs.targets.get(task_id)
         return target is not None and bool(target.candidates(allow_eval))
 
     if draw.task_ids is not None:
@@ -128,18 +142,18 @@ def draw_buckets(service: RolloutService, draw: TaskDraw, template: dict) -> lis
                 group = group_from_template(template, task_id)
             except ValidationError as exc:  # the request's mistake: a 422, not a 500
                 raise Invalid("invalid_request", f"task_ids: {describe_errors(exc.errors())}") from None
-            service.admission.resolve(group)  # 404 unknown, 409 eval side, 503 draining
+            rooms.admission.resolve(group)  # 404 unknown, 409 eval side, 503 draining
         return [(1.0, list(draw.task_ids))]
     if draw.families is not None:
         by_family: dict[str, list[str]] = {}
-        for task_id, info in service.envs.task_info.items():
+        for task_id, info in rooms.envs.task_info.items():
             if info.family and eligible(task_id):
                 by_family.setdefault(info.family, []).append(task_id)
         unknown = [f for f in draw.families if f not in by_family]
         eval_only = {
             info.family
-            for task_id, info in service.envs.task_info.items()
-            if info.family in unknown and task_id in service.envs.targets
+            for task_id, info in rooms.envs.task_info.items()
+            if info.family in unknown and task_id in rooms.envs.targets
         }
         if eval_only:  # it exists, on the held-out side only: the request's choice to make, not a typo
             names = ", ".join(short_text(f, 80) for f in sorted(eval_only)[:5])
@@ -160,9 +174,9 @@ def draw_buckets(service: RolloutService, draw: TaskDraw, template: dict) -> lis
     if draw.envs is not None:
         buckets = []
         for url, weight in draw.envs.items():
-            env = service.envs.envs.get(url.rstrip("/"))
+            env = rooms.envs.envs.get(url.rstrip("/"))
             if env is None:
-                known = ", ".join(service.envs.envs) or "none"
+                known = ", ".join(rooms.envs.envs) or "none"
                 raise NotFound("unknown_env", f"no env {short_text(url, 200)} is scheduled here; present: {known}")
             if env.contract.side == "eval" and not allow_eval:
                 raise Conflict(
@@ -170,20 +184,20 @@ def draw_buckets(service: RolloutService, draw: TaskDraw, template: dict) -> lis
                     f"env {short_text(url, 200)} serves the eval side: training on it leaks the held-out set. "
                     "Set the template's allow_eval_side: true if you mean to",
                 )
-            buckets.append((weight, [t for t, target in service.envs.targets.items() if env in target.envs]))
+            buckets.append((weight, [t for t, target in rooms.envs.targets.items() if env in target.envs]))
         return buckets
-    every = [task_id for task_id in service.envs.targets if eligible(task_id)]
+    every = [task_id for task_id in rooms.envs.targets if eligible(task_id)]
     if not every:
         raise Conflict("no_training_tasks", "no env serves a task on the training side (GET /envs)")
     return [(1.0, every)]
 
 
-def pools_drawn_on(service: RolloutService, buckets: list[tuple[float, list[str]]], allow_eval: bool) -> int:
+def pools_drawn_on(registry: EnvRegistry, buckets: list[tuple[float, list[str]]], allow_eval: bool) -> int:
     """Worlds of the envs that serve the drawn tasks (an env counted once)."""
     envs = {}
     for _, ids in buckets:
         for task_id in ids:
-            target = service.envs.targets.get(task_id)
+            target = registry.targets.get(task_id)
             for env in target.envs if target is not None else ():
                 if (allow_eval or env.contract.side != "eval") and not env.slots.draining:
                     envs[env.url] = env.slots.pool
@@ -193,24 +207,24 @@ def pools_drawn_on(service: RolloutService, buckets: list[tuple[float, list[str]
 class Sampler:
     def __init__(
         self,
-        service: RolloutService,
+        rooms: SamplerRooms,
         settings: _SamplerSettings,
         budget: int | None,
         room: Callable[[], int],
         held: HeldResults,
     ) -> None:
         """`room()`: how many more groups the caller can take now (running ones count as taken)."""
-        self.service = service
+        self.rooms = rooms
         self.settings = settings
         self.template = settings.group
         self.n = group_from_template(self.template, "template").n
         self.budget = budget
         self.room = room
         self.held = held
-        buckets = draw_buckets(service, settings.tasks, self.template)
+        buckets = draw_buckets(rooms, settings.tasks, self.template)
         self.deck = TaskDeck(buckets, random.Random(settings.seed))
         allow_eval = bool(self.template.get("allow_eval_side", False))
-        pool = pools_drawn_on(service, buckets, allow_eval)
+        pool = pools_drawn_on(rooms.envs, buckets, allow_eval)
         self.at_once = settings.groups_at_once or max(1, math.ceil(pool / self.n) + 1)
         self.running: dict[asyncio.Task[bytes], str] = {}
         self.started = 0
@@ -228,13 +242,13 @@ class Sampler:
         task_id = next((ids[0] for _, ids in self.deck.buckets if ids), None)  # a look, not a draw
         if task_id is None:
             raise Conflict("no_tasks", "the draw holds no task")
-        self.service.admission.admit([group_from_template(self.template, task_id)])
+        self.rooms.admission.admit([group_from_template(self.template, task_id)])
         pin = self.template.get("pin_version")
         if pin is not None:
             # Held for the sampler's life, not only while one of its groups runs: between two groups
             # the version would otherwise be free to unload, or its room under --max-loras taken by
             # another pin, and the sample would stop half done.
-            self._pinned = self.service.replicas.versions.pin(pin)
+            self._pinned = self.rooms.versions.pin(pin)
 
     def fill(self) -> None:
         """Start groups while there is room, budget and a task to draw."""
@@ -250,7 +264,7 @@ class Sampler:
                 return
             request = group_from_template(self.template, task_id)
             try:
-                (task,) = self.service.admission.start_groups([request])
+                (task,) = self.rooms.admission.start_groups([request])
             except RequestRefused as exc:
                 if exc.error == "too_many_queued_attempts":
                     self._busy_until = time.monotonic() + _BUSY_RETRY_S
@@ -269,7 +283,7 @@ class Sampler:
             self.started += 1
 
     def _skipped(self, task_id: str) -> bool:
-        why = self.service.task_stats.skip_reason(task_id, self.settings.difficulty)
+        why = self.rooms.task_stats.skip_reason(task_id, self.settings.difficulty)
         if why is None:
             return False
         self.tally.skipped.setdefault(why, set()).add(task_id)
@@ -364,20 +378,20 @@ class Sampler:
     def count_kept(self) -> None:
         """A kept group is being handed to the caller (counted here alone, once)."""
         self.tally.kept += 1
-        self.service.samplers.metrics.kept.inc()
+        self.rooms.kept.inc()
 
     def count_dropped(self, dropped: DroppedGroup) -> None:
         self.tally.count(dropped)
-        self.service.samplers.metrics.dropped.labels(reason=dropped.reason).inc()
+        self.rooms.dropped.labels(reason=dropped.reason).inc()
 
     def close(self) -> int:
         """Cancel every group still running (their episodes are abandoned); how many there were."""
         self.stopped = self.stopped or "closed"
         running: dict[asyncio.Future, int] = {task: self.n for task in self.running}
         self.running.clear()
-        self.service.admission.cancel_in_background(running)
+        self.rooms.admission.cancel_in_background(running)
         if self._pinned is not None:  # its groups still running hold their own pins until they end
-            self.service.replicas.versions.unpin(self._pinned)
+            self.rooms.versions.unpin(self._pinned)
             self._pinned = None
         return len(running)
 

@@ -34,7 +34,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 async def sample(body: SampleRequest, request: Request) -> Response:
     service = ready(request)
     held = HeldResults(service.admission)
-    sampler = Sampler(service, body, body.budget, lambda: body.count - sampler.tally.kept, held)
+    sampler = Sampler(service.samplers.rooms, body, body.budget, lambda: body.count - sampler.tally.kept, held)
     sampler.check_first()  # what would refuse every group is an HTTP error, before any line
     return BoundedStream(
         _sample_lines(sampler, body.count, held),

@@ -25,14 +25,18 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
 from ..sampler_protocol import DroppedGroup, SampleSummary, StreamCreate, StreamState
+from .admission import Admission
+from .envs import EnvRegistry
 from .errors import Conflict, Gone, NotFound
+from .policy import PolicyManager
 from .result_json import one_line
-from .sampler import DropCounts, Finished, Sampler
+from .sampler import DropCounts, Finished, Sampler, SamplerRooms
+from .startup import Lifecycle
 from .stream_out import HeldResults
+from .task_stats import TaskStatsBook
 
 if TYPE_CHECKING:
     from .metrics import Metrics
-    from .service import RolloutService
 
 log = logging.getLogger("rollout_service.samplers")
 
@@ -99,12 +103,12 @@ class Unreported(DropCounts):
 
 
 class SamplerStream:
-    def __init__(self, service: RolloutService, body: StreamCreate, stream_id: str, metrics: SamplerMetrics) -> None:
+    def __init__(self, rooms: SamplerRooms, body: StreamCreate, stream_id: str, metrics: SamplerMetrics) -> None:
         self.id = stream_id
-        self.service = service
+        self.rooms = rooms
         self.body = body
         self.metrics = metrics
-        self.held = HeldResults(service.admission)
+        self.held = HeldResults(rooms.admission)
         self.buffer: deque[Finished] = deque()
         # Lines of dropped groups waiting for the next pull, at most _DROPS_KEPT: past that the oldest
         # line goes, counted in `unreported` (the summary says how many), never silently.
@@ -116,7 +120,7 @@ class SamplerStream:
         self.last_used = time.monotonic()
         self.pulling = False
         self._changed = asyncio.Event()
-        self.sampler = Sampler(service, body, body.max_groups, self._room, self.held)
+        self.sampler = Sampler(rooms, body, body.max_groups, self._room, self.held)
         self.sampler.check_first()
         self.producer = asyncio.ensure_future(self._produce())
 
@@ -158,7 +162,7 @@ class SamplerStream:
         return self.sampler.stopped or "stopped"
 
     def lag_of(self, item: Finished) -> int:
-        return self.service.replicas.versions.behind(item.oldest_version) if item.oldest_version else 0
+        return self.rooms.versions.behind(item.oldest_version) if item.oldest_version else 0
 
     def _drop_stale(self, item: Finished, lag: int) -> DroppedGroup:
         self.held.release(item.attempts)
@@ -167,7 +171,7 @@ class SamplerStream:
             group_id=item.group_id,
             reason="stale",
             detail=f"its oldest turn (version {item.oldest_version}) is {lag} updates behind "
-            f"{self.service.replicas.versions.current.label} (max_staleness={self.body.max_staleness}): dropped, "
+            f"{self.rooms.versions.current.label} (max_staleness={self.body.max_staleness}): dropped, "
             "replaced",
             attempts=item.attempts,
             completion_tokens=item.completion_tokens,
@@ -277,7 +281,7 @@ class SamplerStream:
                     completion_tokens_dropped=told.completion_tokens_dropped,
                     dropped_lines_lost=told.lines_lost,
                     lags=lags,
-                    policy_version=self.service.replicas.versions.current.label,
+                    policy_version=self.rooms.versions.current.label,
                     stream=self.state(),
                 )
             )
@@ -318,13 +322,23 @@ class SamplerStream:
 
 
 class SamplerStreams:
-    """The streams of one service, by id."""
+    """The streams of one service, by id, and what every sampler of it uses (`rooms`: the one-shot
+    sample's too)."""
 
-    def __init__(self, service: RolloutService) -> None:
-        self.service = service
+    def __init__(
+        self,
+        envs: EnvRegistry,
+        admission: Admission,
+        versions: PolicyManager,
+        task_stats: TaskStatsBook,
+        metrics: Metrics,
+        lifecycle: Lifecycle,
+    ) -> None:
+        self.lifecycle = lifecycle
         self.streams: dict[str, SamplerStream] = {}
         self.gone: OrderedDict[str, str] = OrderedDict()
-        self.metrics = SamplerMetrics(service.metrics, self)
+        self.metrics = SamplerMetrics(metrics, self)
+        self.rooms = SamplerRooms(envs, admission, versions, task_stats, self.metrics.kept, self.metrics.dropped)
         self._reaper: asyncio.Task | None = None
 
     def create(self, body: StreamCreate) -> SamplerStream:
@@ -332,7 +346,7 @@ class SamplerStreams:
             # The runner bounds it while the group runs; the hand-out check, while it waits.
             body = body.model_copy(update={"group": {**body.group, "max_staleness": body.max_staleness}})
         stream_id = f"s-{uuid.uuid4().hex[:16]}"
-        stream = SamplerStream(self.service, body, stream_id, self.metrics)
+        stream = SamplerStream(self.rooms, body, stream_id, self.metrics)
         self.streams[stream_id] = stream
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.ensure_future(self._reap())
@@ -350,7 +364,7 @@ class SamplerStreams:
         raise NotFound(
             "unknown_sampler",
             f"no sampler stream {stream_id} here: streams live in the service's memory, so after a restart "
-            f"(this one has run {time.time() - self.service.lifecycle.started_at:.0f}s) every earlier stream is gone. "
+            f"(this one has run {time.time() - self.lifecycle.started_at:.0f}s) every earlier stream is gone. "
             "Create a new one with POST /samplers",
         )
 

@@ -64,7 +64,9 @@ class RolloutService:
         # The sampler's rooms: difficulty per task and version (fed by every group), and the streams.
         self.task_stats = TaskStatsBook(self.replicas.versions, self.metrics)
         self.admission.on_result = self.task_stats.record
-        self.samplers = SamplerStreams(self)
+        self.samplers = SamplerStreams(
+            self.envs, self.admission, self.replicas.versions, self.task_stats, self.metrics, self.lifecycle
+        )
 
     async def start(self, say: Callable[[str], None] = log.info) -> None:
         """Wait for every env and model server to answer, then check that they fit together.
