@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from helpers import wait_until
 
 SQL = lambda q: json.dumps({"action": "sql", "input": q})
@@ -268,6 +269,7 @@ def test_instr_and_replace_of_the_longest_values_answer_within_the_statement_lim
 _LONGEST_LIKE = 100
 
 
+@pytest.mark.alone  # the 2 s statement limit is wall time: beside two other workers and vLLM the row outran it
 def test_like_and_glob_patterns_are_bounded_so_a_row_of_them_answers_within_the_limit(start_refenv):
     env = start_refenv("--pool", "1")
     pid = env.proc.proc.pid
