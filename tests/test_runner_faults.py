@@ -159,14 +159,18 @@ def test_finished_groups_are_not_retained_by_the_runner():
 def test_an_unexpected_error_outside_the_episode_fails_the_attempt_as_internal_error_once():
     """A bug outside the episode (here the target raising when asked for the env of its slot) fails
     the attempt as internal_error, never run again, whatever the exception's type: a TimeoutError
-    is not read as the env's (which would be env_no_world, retryable)."""
+    is not read as the env's (which would be env_no_world, retryable); and the world slot it took is
+    given back (the scheduler's own count). Breaks tried: the branch returning a retryable kind ->
+    fails; failures.classify in place of failures.bug -> env_failure, tried twice, fails; the slot's
+    release on that path removed -> one slot held for good, fails."""
 
     class BrokenTarget(TaskTarget):
         def env(self, url: str) -> EnvHandle:
             raise TimeoutError("a bug's own timeout")
 
+    slots = EnvSlots(ENV, 4)  # room for a second try, had the failure been retryable
+
     async def go() -> dict:
-        slots = EnvSlots(ENV, 4)  # room for a second try, had the failure been retryable
         chat = ReplicaPool(["http://model"], transport=chat_answer("{}"))
         client = EnvClient(ENV, transport=httpx.MockTransport(StandInEnv(reset={})))
         contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
@@ -184,3 +188,4 @@ def test_an_unexpected_error_outside_the_episode_fails_the_attempt_as_internal_e
     assert attempt["status"] == "internal_error" and attempt["tries"] == 1 and attempt["earlier_failures"] == []
     assert attempt["failure"]["kind"] == "internal_error" and attempt["failure"]["attribution"] == "infrastructure"
     assert attempt["failure"]["detail"] == "TimeoutError: a bug's own timeout"
+    assert slots.held == 0, "the attempt kept its world slot"

@@ -169,7 +169,11 @@ class AttemptRun:
             verdict = classify(exc, self._state(t, None))
             return failed(self.index, verdict.failure), verdict.retryable
         t.queued = time.monotonic() - t.started
-        env = target.env(slot.url)
+        try:
+            env = target.env(slot.url)
+        except BaseException:  # no episode started yet: the slot alone goes back
+            parts.scheduler.release(slot)
+            raise
         held_from = time.monotonic()
         parts.metrics.episodes_in_flight.labels(env=env.url).inc()
         attempt = Attempt(
