@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 
 from inference import transport
+from inference.httpx_transport import HttpxTransport
 
 
 def _httpx(
@@ -26,7 +27,7 @@ def _httpx(
 ) -> transport.HttpTransport:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     client = httpx.AsyncClient(transport=stand_in, timeout=timeout_s, trust_env=False, limits=limits)
-    return transport.HttpxTransport(client, max_answer_bytes)
+    return HttpxTransport(client, max_answer_bytes)
 
 
 if os.environ.get("ROLLOUT_BENCH_HTTP_STACK") == "httpx":

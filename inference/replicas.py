@@ -9,15 +9,16 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import httpx
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .addresses import AddressPolicy
 from .answers import Completion, TokenizeAnswer
 from .engine import Engine, VllmServer
 from .errors import BadInferenceResponse, InferenceError, InferenceServerError, InferenceTimeout, InferenceUnreachable
 from .transport import DEFAULT_MAX_ANSWER_BYTES, HttpTransport, make_transport
+
+if TYPE_CHECKING:
+    import httpx
 
 T = TypeVar("T")
 

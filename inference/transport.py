@@ -1,8 +1,8 @@
 """The service's one HTTP stack for its backends: every env call, completion, tokenize, weight
 update and membership probe goes through it. aiohttp, chosen by measurement (docs/benchmarks-http.md):
 the service sends several requests per turn, so what one costs the service's own CPU bounds the
-turns/s one process drives. `HttpxTransport` runs the same calls over an httpx transport, for tests
-that stand in for a server with httpx's MockTransport.
+turns/s one process drives. (inference/httpx_transport.py runs the same calls over an httpx transport,
+for tests that stand in for a server with httpx's MockTransport; the service never uses it.)
 
 aiohttp's own `trust_env` is off: with it, every request ran two jobs on the default thread pool
 (the proxy variables looked up and ~/.netrc looked for), which took half of the service's CPU at
@@ -23,10 +23,9 @@ import logging
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import httpx
 import orjson
 import yarl
 
@@ -35,6 +34,9 @@ from .deadlines import DeadlineSweep
 from .json_body import dumps
 from .proxies import EnvProxies
 from .text import clean_text
+
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -306,41 +308,7 @@ def make_transport(
     `stand_in`, an httpx transport answering for the servers; either reads at most
     `max_answer_bytes` of an answer."""
     if stand_in is not None:
-        return HttpxTransport(httpx.AsyncClient(transport=stand_in, timeout=timeout_s), max_answer_bytes)
+        from .httpx_transport import stand_in_transport
+
+        return stand_in_transport(stand_in, timeout_s, max_answer_bytes)
     return AiohttpTransport(timeout_s, max_answer_bytes=max_answer_bytes, address_policy=address_policy)
-
-
-class HttpxTransport(HttpTransport):
-    """The same calls over an httpx client (any of its transports: tests stand in for servers so)."""
-
-    def __init__(self, client: httpx.AsyncClient, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES) -> None:
-        self._http = client
-        self.max_answer_bytes = max_answer_bytes
-
-    async def _send(
-        self, method: str, url: str, body: bytes | None, headers: dict[str, str], deadline_s: float | None
-    ) -> HttpAnswer:
-        kwargs: dict[str, Any] = {} if deadline_s is None else {"timeout": deadline_s}
-        if body is not None:
-            headers = {"Content-Type": "application/json", **headers}
-        try:
-            async with self._http.stream(method, url, content=body, headers=headers, **kwargs) as response:
-                received = bytearray()
-                async for chunk in response.aiter_bytes():
-                    received += chunk
-                    if len(received) > self.max_answer_bytes:
-                        raise AnswerTooLarge(self.max_answer_bytes)
-        except httpx.TimeoutException as exc:
-            raise TransportTimeout(f"{type(exc).__name__}: no answer in time") from None
-        except httpx.ConnectError as exc:
-            raise ConnectRefused(f"{type(exc).__name__}: {exc}") from None
-        except httpx.HTTPError as exc:
-            raise TransportError(f"{type(exc).__name__}: {exc}") from None
-        except RuntimeError as exc:
-            if self._http.is_closed:
-                raise TransportError(f"{type(exc).__name__}: {exc}") from None
-            raise
-        return HttpAnswer(response.status_code, bytes(received))
-
-    async def aclose(self) -> None:
-        await self._http.aclose()

@@ -213,3 +213,26 @@ def test_the_client_hands_over_what_arrived_when_an_answer_is_cut(start_refenv, 
     assert httpx.delete(f"{service}/samplers/{stream}", timeout=60).status_code == 200
     assert wait_until(lambda: env_health(env.url)["leased"] == 0, timeout_s=30)
     assert_env_accounted(env_health(env.url))
+
+
+def test_a_pulls_late_end_leaves_the_next_pull_marked() -> None:
+    """One pull at a time holds even when a pull's end is told after the next pull began (its answer's
+    `on_end` runs after its lines are done, and a second request can be answered between the two).
+    That window cannot be hit on demand over HTTP, so the rule is checked on the stream alone: no
+    sampler, no service (nothing of the stream but its pull mark is touched)."""
+    from rollout_service.server.errors import Conflict
+    from rollout_service.server.sampler_streams import SamplerStream
+
+    stream = SamplerStream.__new__(SamplerStream)
+    stream.id, stream._pull, stream.last_used = "s", None, 0.0
+    _, end_a = stream.start_pull(1, 1.0)
+    end_a()
+    _, end_b = stream.start_pull(1, 1.0)
+    end_a()  # A's end, told again (late): B is still the pull in progress
+    assert stream.pulling
+    with pytest.raises(Conflict):
+        stream.start_pull(1, 1.0)
+    end_b()
+    assert not stream.pulling
+    stream.start_pull(1, 1.0)
+    assert stream.pulling

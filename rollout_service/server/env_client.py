@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import quote
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from inference.addresses import AddressPolicy
@@ -20,6 +19,9 @@ from inference.transport import (
     TransportTimeout,
     make_transport,
 )
+
+if TYPE_CHECKING:
+    import httpx
 
 # An error text from the env is data for the trainer: keep it, but bounded.
 MAX_DETAIL_CHARS = 500

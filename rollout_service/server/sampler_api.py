@@ -106,13 +106,9 @@ async def stream_state(stream_id: str, request: Request) -> StreamState:
 )
 async def pull(stream_id: str, body: StreamPull, request: Request) -> Response:
     service = ready(request)
-    stream = service.samplers.get(stream_id)
+    lines, end = service.samplers.get(stream_id).start_pull(body.count, body.timeout_s)
     return BoundedStream(
-        stream.start_pull(body.count, body.timeout_s),
-        service.config.stream_stall_timeout,
-        f"pull from sampler stream {stream_id}",
-        request=request,
-        on_end=stream.end_pull,
+        lines, service.config.stream_stall_timeout, f"pull from sampler stream {stream_id}", request=request, on_end=end
     )
 
 

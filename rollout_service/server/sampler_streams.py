@@ -17,8 +17,9 @@ import logging
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter as PromCounter
@@ -48,12 +49,8 @@ _DROPS_KEPT = 256  # dropped-group lines a stream keeps for its next pull
 class SamplerMetrics:
     def __init__(self, metrics: Metrics, streams: SamplerStreams) -> None:
         r = metrics.registry
-        self.dropped = PromCounter(
-            "rollout_sampler_dropped_groups",
-            "Groups the sampler ran and did not keep, by reason",
-            ["reason"],
-            registry=r,
-        )
+        dropped = "Groups the sampler ran and did not keep, by reason"
+        self.dropped = PromCounter("rollout_sampler_dropped_groups", dropped, ["reason"], registry=r)
         self.kept = PromCounter("rollout_sampler_kept_groups", "Groups the sampler kept", registry=r)
         self.lag = Histogram(
             "rollout_sampler_handed_lag",
@@ -118,7 +115,7 @@ class SamplerStream:
         self.lag_histogram: Counter[int] = Counter()
         self.handed = 0
         self.last_used = time.monotonic()
-        self.pulling = False
+        self._pull: object | None = None  # the pull in progress: its own mark, so only it ends itself
         self._changed = asyncio.Event()
         self.sampler = Sampler(rooms, body, body.max_groups, self._room, self.held)
         self.sampler.check_first()
@@ -196,19 +193,25 @@ class SamplerStream:
         self.sampler.count_dropped(lost)
         self._tell(lost)
 
-    def start_pull(self, count: int, timeout_s: float) -> AsyncIterator[bytes]:
-        """The lines of a pull (`pull`): one pull at a time, or 409 pull_in_progress."""
-        if self.pulling:
+    @property
+    def pulling(self) -> bool:
+        return self._pull is not None
+
+    def start_pull(self, count: int, timeout_s: float) -> tuple[AsyncIterator[bytes], Callable[[], None]]:
+        """A pull's lines and its end, called as its answer ends (also before the first line): one pull at
+        a time, or 409 pull_in_progress. A pull's end ends only that pull, however late it comes."""
+        if self._pull is not None:
             raise Conflict("pull_in_progress", f"sampler stream {self.id} is being pulled from already")
-        self.pulling = True
-        return self.pull(count, timeout_s)
+        mark = self._pull = object()
+        end = partial(self._end_pull, mark)
+        return self.pull(count, timeout_s, end), end
 
-    def end_pull(self) -> None:
-        """The pull's answer has ended, also where it ended before its first line (the lines' own
-        `finally` then never ran)."""
-        self.pulling = False
+    def _end_pull(self, mark: object) -> None:
+        if self._pull is mark:
+            self._pull = None
+            self.last_used = time.monotonic()
 
-    async def pull(self, count: int, timeout_s: float) -> AsyncIterator[bytes]:
+    async def pull(self, count: int, timeout_s: float, end: Callable[[], None]) -> AsyncIterator[bytes]:
         """NDJSON: `count` groups ({"lag", "group"}), the dropped groups' lines as they come, then the
         summary. Fewer only when production stopped or `timeout_s` passed, and the summary says which."""
         deadline = time.monotonic() + timeout_s
@@ -286,8 +289,7 @@ class SamplerStream:
                 )
             )
         finally:
-            self.pulling = False
-            self.last_used = time.monotonic()
+            end()
 
     def state(self) -> StreamState:
         t = self.sampler.tally
