@@ -38,7 +38,12 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rollout_service.tools.stack import ManagedProcess, free_port, refenv_command, service_command  # noqa: E402
+from rollout_service.tools.stack import (  # noqa: E402
+    ManagedProcess,
+    refenv_command,
+    service_command,
+    start_listening,
+)
 
 SCRIPTED_MODEL = ROOT / "tests" / "scripted_model.py"
 
@@ -65,12 +70,12 @@ class Sampler(threading.Thread):
                 self.samples.append((sent, time.time(), status))
 
 
-def start(name: str, cmd: list[str], ready_url: str, logs: Path, started: list[ManagedProcess]) -> ManagedProcess:
-    proc = ManagedProcess(name, cmd, logs / f"batch_cancel-{name}.log")
-    started.append(proc)
-    proc.start()
-    proc.wait_http(ready_url, timeout_s=60)
-    return proc
+def start(name: str, cmd: list[str], ready_path: str, logs: Path, started: list[ManagedProcess]) -> ManagedProcess:
+    return start_listening(f"batch_cancel-{name}", cmd, logs, started, ready_path=ready_path)
+
+
+def url(proc: ManagedProcess) -> str:
+    return f"http://127.0.0.1:{proc.port}"
 
 
 def http_request(method: str, port: int, path: str, body: bytes) -> bytes:
@@ -119,29 +124,23 @@ def main() -> int:
     sampler: Sampler | None = None
     spy: subprocess.Popen | None = None
     try:
-        model_port, env_port, service_port = free_port(), free_port(), free_port()
-        model_url, env_url = f"http://127.0.0.1:{model_port}", f"http://127.0.0.1:{env_port}"
-        service_url = f"http://127.0.0.1:{service_port}"
         t = time.monotonic()
-        model_cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", str(model_port), "--script", "answer"]
-        start("model", model_cmd, f"{model_url}/v1/models", args.logs, started)
-        start(
-            "refenv",
-            refenv_command(env_port, "--pool", "2", "--latency-ms", "600000"),
-            f"{env_url}/health",
-            args.logs,
-            started,
+        model_cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", "0", "--script", "answer"]
+        model_url = url(start("model", model_cmd, "/v1/models", args.logs, started))
+        env_url = url(
+            start("refenv", refenv_command(0, "--pool", "2", "--latency-ms", "600000"), "/health", args.logs, started)
         )
         service_cmd = service_command(
-            service_port,
+            0,
             [env_url],
             model_url,
             "--max-queued-attempts",
             str(max(70000, attempts + 1000)),
             model="scripted",
         )
-        service = start("service", service_cmd, f"{service_url}/health", args.logs, started)
-        assert service.proc is not None
+        service = start("service", service_cmd, "/health", args.logs, started)
+        assert service.proc is not None and service.port is not None
+        service_url, service_port = url(service), service.port
         print(f"stack up in {time.monotonic() - t:.1f}s (service pid {service.proc.pid}; logs in {args.logs})")
 
         detail_client = httpx.Client(timeout=30.0)

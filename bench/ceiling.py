@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -40,15 +39,11 @@ import psutil
 import record
 from standins import REPLIES  # bench/ is on the path when this runs as a script
 
+from rollout_service.tools.stack import ManagedProcess, free_port, fresh_port_file
+
 ROOT = Path(__file__).resolve().parents[1]
 N = 8  # attempts per group
 MAX_BATCH = 1024  # groups per POST /groups/batch (the service's --max-batch)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Processes:
@@ -67,6 +62,15 @@ class Processes:
             argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd or ROOT, env={**os.environ, **(env or {})}
         )
         return psutil.Process(self.running[name].pid)
+
+    def port_file(self, name: str) -> Path:
+        """Where `name`, started with `--port-file` and port 0, is to write the port it binds."""
+        return fresh_port_file(self.logs, name)
+
+    def url(self, name: str, port_file: Path, timeout_s: float = 120.0) -> str:
+        """The loopback URL of `name` once it wrote the port it bound to `port_file`."""
+        proc = ManagedProcess(name, self.running[name].args, self.logs / f"{name}.log", proc=self.running[name])
+        return f"http://127.0.0.1:{proc.wait_port(port_file, timeout_s)}"
 
     def stop(self) -> None:
         for proc in self.running.values():
@@ -176,30 +180,39 @@ def _print_profile(stacks: Path, top: int = 25) -> None:
 
 
 async def measure(args: argparse.Namespace, in_flight: int, completion_tokens: int) -> dict:
-    ports = {name: _free_port() for name in ("model", "env", "service")}
-    urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     py = sys.executable
     logs = Path(args.out).parent / "logs" / "ceiling" / f"{in_flight}-{completion_tokens}"
+    # Each server binds port 0 and writes the port it bound to a file read back here; a service run from
+    # another checkout (bench/http_stacks.py's before=DIR) older than --port-file gets a free port instead.
+    tree = getattr(args, "service_cwd", None)
+    reports_port = tree is None or (Path(tree) / "rollout_service" / "listening.py").exists()
     with Processes(logs) as stack:
+        port_files = {name: stack.port_file(name) for name in ("model", "env", "service")}
         model = stack.start(
             "model",
-            [py, "bench/standins.py", "model", "--port", str(ports["model"]),
+            [py, "bench/standins.py", "model", "--port", "0", "--port-file", str(port_files["model"]),
              "--completion-tokens", str(completion_tokens), "--replies", args.replies],
         )  # fmt: skip
         env = stack.start(
             "env",
-            [py, "bench/standins.py", "env", "--port", str(ports["env"]), "--pool", str(in_flight),
-             "--turns", str(args.turns), "--prompt-tokens", str(args.prompt_tokens)],
+            [py, "bench/standins.py", "env", "--port", "0", "--port-file", str(port_files["env"]),
+             "--pool", str(in_flight), "--turns", str(args.turns), "--prompt-tokens", str(args.prompt_tokens)],
         )  # fmt: skip
+        urls = {name: stack.url(name, port_files[name]) for name in ("model", "env")}
+        listen = ["--listen", "127.0.0.1:0", "--port-file", str(port_files["service"])]
+        if not reports_port:
+            urls["service"] = f"http://127.0.0.1:{free_port()}"
+            listen = ["--listen", urls["service"].removeprefix("http://")]
         service = stack.start(
             "service",
             [py, *getattr(args, "service_entry", ["-m", "rollout_service.tools.cli"]), "serve", "--env", urls["env"],
-             "--vllm", urls["model"],
-             "--model", "ceiling-model", "--listen", f"127.0.0.1:{ports['service']}", "--max-n", str(N),
+             "--vllm", urls["model"], "--model", "ceiling-model", *listen, "--max-n", str(N),
              "--max-batch", str(MAX_BATCH), "--max-queued-attempts", str(max(4 * in_flight, 2 * args.queued, 10_000))],
             env=getattr(args, "service_env", None),
-            cwd=getattr(args, "service_cwd", None),
+            cwd=tree,
         )  # fmt: skip
+        if reports_port:
+            urls["service"] = stack.url("service", port_files["service"])
         await _wait_up(f"{urls['model']}/health", stack.running["model"])
         await _wait_up(f"{urls['env']}/health", stack.running["env"])
         await _wait_up(f"{urls['service']}/health", stack.running["service"])

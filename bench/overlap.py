@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import record  # noqa: E402
 
 from rollout_service import ndjson  # noqa: E402
-from rollout_service.tools.stack import ManagedProcess, free_port, refenv_command, service_command  # noqa: E402
+from rollout_service.tools.stack import ManagedProcess, refenv_command, service_command, start_listening  # noqa: E402
 
 
 def ndjson_lines(client: httpx.Client, path: str, body: dict) -> list[dict]:
@@ -93,7 +93,6 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="overlap-"))
-    env_port, service_port = free_port(), free_port()
     started: list[ManagedProcess] = []
     template = {
         "n": args.n,
@@ -103,19 +102,13 @@ def main() -> None:
     }
     figures = []
     try:
-        for name, cmd, url in (
-            ("refenv", refenv_command(env_port, "--pool", str(args.pool), step=True), f"http://127.0.0.1:{env_port}"),
-            (
-                "service",
-                service_command(service_port, [f"http://127.0.0.1:{env_port}"], args.vllm, model=args.model),
-                f"http://127.0.0.1:{service_port}",
-            ),
-        ):
-            proc = ManagedProcess(name, cmd, logs / f"overlap-{name}.log")
-            started.append(proc)
-            proc.start()
-            proc.wait_http(f"{url}/health", timeout_s=120)
-        with httpx.Client(base_url=f"http://127.0.0.1:{service_port}", timeout=3600) as client:
+
+        def start(name: str, cmd: list[str]) -> str:
+            return f"http://127.0.0.1:{start_listening(f'overlap-{name}', cmd, logs, started, timeout_s=120).port}"
+
+        env_url = start("refenv", refenv_command(0, "--pool", str(args.pool), step=True))
+        service_url = start("service", service_command(0, [env_url], args.vllm, model=args.model))
+        with httpx.Client(base_url=service_url, timeout=3600) as client:
             for train_s in args.train_s:
                 sync = run_sync(client, template, args.groups, args.steps, train_s)
                 overlapped, lags = run_overlapped(client, template, args.groups, args.steps, train_s)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/refenv_throughput.py [--pool 16] [--seconds 20] [--drivers 32]
 
-Starts `refenv serve --step --pool P` on a free port, then `drivers` concurrent loops each run
+Starts `refenv serve --step --pool P` on a port it binds and reports, then `drivers` concurrent loops each run
 whole episodes (reset, one SQL step, one answer step) for `seconds`, and prints calls/s
 (resets + steps) and episodes/s. A driver holds at most one episode, so drivers > pool also
 exercise the blocking reset. Loopback only; bounded in time.
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_service.tools.stack import ManagedProcess, free_port, refenv_command
+from rollout_service.tools.stack import ManagedProcess, refenv_command, start_listening
 
 SQL = json.dumps({"action": "sql", "input": "SELECT COUNT(*) FROM customers"})
 ANSWER = json.dumps({"action": "answer", "input": "20"})
@@ -69,17 +69,15 @@ def main() -> int:
     parser.add_argument("--drivers", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
-    port = free_port()
-    proc = ManagedProcess(
-        "refenv", refenv_command(port, "--pool", str(args.pool)), Path("results/logs/bench-refenv.log")
-    )
-    proc.start()
+    started: list[ManagedProcess] = []
     try:
-        proc.wait_http(f"http://127.0.0.1:{port}/health", 60)
-        result = asyncio.run(measure(f"http://127.0.0.1:{port}", args.drivers, args.seconds))
-        health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+        cmd = refenv_command(0, "--pool", str(args.pool))
+        url = f"http://127.0.0.1:{start_listening('bench-refenv', cmd, Path('results/logs'), started).port}"
+        result = asyncio.run(measure(url, args.drivers, args.seconds))
+        health = httpx.get(f"{url}/health").json()
     finally:
-        proc.stop()
+        for proc in started:
+            proc.stop()
     print(
         f"refenv pool {args.pool}, {args.drivers} drivers, {result['wall_s']:.1f}s: "
         f"{result['calls_per_s']:.0f} calls/s ({result['episodes_per_s']:.0f} episodes/s); "

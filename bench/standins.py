@@ -7,7 +7,11 @@ microseconds; bench/ceiling.py reports their CPU next to the service's to show t
 limit.
 
     python bench/standins.py model --port 18100 --completion-tokens 128
-    python bench/standins.py env --port 18200 --pool 256 --turns 4 --prompt-tokens 2000
+    python bench/standins.py env --port 0 --port-file env.port --pool 256 --turns 4 --prompt-tokens 2000
+
+`--port 0` binds a port the system picks, and `--port-file PATH` receives the port once the server
+listens (rollout_service/listening.py's format, as the service and refenv write it): a launcher reads
+it back (ManagedProcess.wait_port) instead of choosing a free port for the stand-in.
 
 The model server speaks what the service uses of vLLM: /v1/models, /tokenize (messages through a
 ChatML-like template whose render of a conversation is the concatenation of its messages' renders,
@@ -29,10 +33,13 @@ import itertools
 import time
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import httptools
 import orjson
 import uvloop
+
+from rollout_service.listening import write_port_file
 
 MODEL = "ceiling-model"
 CHARS_PER_TOKEN = 4
@@ -80,9 +87,14 @@ class _Http(asyncio.Protocol):
         )
 
 
-def _serve(handle: Handler, port: int) -> None:
+def _serve(handle: Handler, port: int, port_file: Path | None = None) -> None:
+    """Serve `handle` on loopback `port` (0: one the system picks), writing the port bound to
+    `port_file` once listening."""
+
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(lambda: _Http(handle), "127.0.0.1", port, backlog=4096)
+        if port_file is not None:
+            write_port_file(port_file, server.sockets[0].getsockname()[1])
         async with server:
             await server.serve_forever()
 
@@ -304,20 +316,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     model = sub.add_parser("model", help="the instant model server")
-    model.add_argument("--port", type=int, required=True)
+    model.add_argument("--port", type=int, required=True, help="0: one the system picks (see --port-file)")
+    model.add_argument("--port-file", type=Path, help="once listening, write the port here (as the service does)")
     model.add_argument("--completion-tokens", type=int, default=128)
     model.add_argument("--replies", choices=REPLIES, default="as-sampled", help="how the template tokenizes a reply")
     env = sub.add_parser("env", help="the instant env")
-    env.add_argument("--port", type=int, required=True)
+    env.add_argument("--port", type=int, required=True, help="0: one the system picks (see --port-file)")
+    env.add_argument("--port-file", type=Path, help="once listening, write the port here (as refenv does)")
     env.add_argument("--pool", type=int, default=256)
     env.add_argument("--turns", type=int, default=4, help="completions per episode")
     env.add_argument("--prompt-tokens", type=int, default=2000, help="the first observation's size")
     env.add_argument("--observation-tokens", type=int, default=100, help="what each step adds")
     args = parser.parse_args()
     if args.what == "model":
-        _serve(Model(args.completion_tokens, args.replies).handle, args.port)
+        _serve(Model(args.completion_tokens, args.replies).handle, args.port, args.port_file)
     else:
-        _serve(Env(args.pool, args.turns, args.prompt_tokens, args.observation_tokens).handle, args.port)
+        world = Env(args.pool, args.turns, args.prompt_tokens, args.observation_tokens)
+        _serve(world.handle, args.port, args.port_file)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,8 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
@@ -38,22 +36,12 @@ IN_FLIGHT = 32
 PROMPT = list(range(500))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _serve(port: int, answer_bytes: int) -> None:
+def _serve(port_file: Path, answer_bytes: int) -> None:
+    """The stand-in on a port the system picks, written to `port_file` once it listens."""
     import standins
 
     answer = orjson.dumps({"text": "a" * max(0, answer_bytes - 12)})
-    standins._serve(lambda method, path, body: (200, answer), port)
+    standins._serve(lambda method, path, body: (200, answer), 0, port_file)
 
 
 async def _client(port: int, requests: int) -> None:
@@ -108,17 +96,22 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("transport_cost.py counts instructions with valgrind, which is not installed", file=sys.stderr)
         return 2
+    # Here, not at the top: the client processes import only their tree's `inference`.
+    from rollout_service.tools.stack import ManagedProcess, fresh_port_file
+
     trees = [tree.resolve() for tree in args.trees]
     rows = []
+    logs = ROOT / "results" / "logs"
     for answer_bytes in args.answer_bytes:
-        port = _free_port()
-        server = subprocess.Popen([sys.executable, __file__, "_serve", str(port), str(answer_bytes)], cwd=ROOT)
+        port_file = fresh_port_file(logs, "transport_cost-stand-in")
+        server = ManagedProcess(
+            "the stand-in server",
+            [sys.executable, __file__, "_serve", str(port_file), str(answer_bytes)],
+            logs / "transport_cost-stand-in.log",
+        )
         try:
-            deadline = time.monotonic() + 30
-            while not _listening(port):
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("the stand-in server did not come up")
-                time.sleep(0.1)
+            server.start()
+            port = server.wait_port(port_file, 30)
             first = None
             for tree in trees:
                 few, many = _instructions(tree, port, args.few), _instructions(tree, port, args.many)
@@ -136,8 +129,7 @@ def main() -> int:
                     f"{rows[-1]['tree']:>30} {answer_bytes:>7} B: {per_request:>9,} instructions a request", flush=True
                 )
         finally:
-            server.terminate()
-            server.wait(timeout=20)
+            server.stop()
     if args.record:
         notes = (
             f"{args.many} and {args.few} requests, {IN_FLIGHT} in flight, each a POST of a {len(PROMPT)}-id prompt;"
@@ -150,7 +142,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_serve":
-        _serve(int(sys.argv[2]), int(sys.argv[3]))
+        _serve(Path(sys.argv[2]), int(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_client":
         import uvloop
 

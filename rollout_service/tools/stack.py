@@ -36,6 +36,27 @@ def fresh_port_file(folder: Path, name: str) -> Path:
     return path
 
 
+def start_listening(
+    name: str,
+    cmd: list[str],
+    log_dir: Path,
+    started: list[ManagedProcess],
+    *,
+    ready_path: str = "/health",
+    timeout_s: float = 60,
+) -> ManagedProcess:
+    """Start `cmd`, a server that binds the port it is given (0: one the system picks) and writes it
+    to `--port-file` (refenv, the service, the benchmarks' stand-ins), logging to `log_dir/name.log`;
+    it is in `started` (to be stopped) from the moment it starts. Its port is `.port` once it answers
+    `ready_path` with 200."""
+    port_file = fresh_port_file(log_dir, name)
+    proc = ManagedProcess(name, [*cmd, "--port-file", str(port_file)], log_dir / f"{name}.log")
+    started.append(proc)
+    proc.start()
+    proc.wait_listening(port_file, ready_path, timeout_s)
+    return proc
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         return s.connect_ex((host, port)) == 0
@@ -388,9 +409,7 @@ class LocalStack:
     def spawn_listening(self, name: str, cmd: list[str], ready_path: str = "/health") -> int:
         """Start `cmd`, a server of ours (refenv, its teacher, the service), with `--port-file`; the port
         it bound (port 0 in `cmd`: one the system picked), once it answers `ready_path`."""
-        port_file = fresh_port_file(self.log_dir, name)
-        proc = self._spawn(name, [*cmd, "--port-file", str(port_file)])
-        proc.wait_listening(port_file, ready_path)
+        proc = start_listening(name, cmd, self.log_dir, self.processes, ready_path=ready_path)
         assert proc.port is not None
         return proc.port
 
