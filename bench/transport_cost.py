@@ -4,6 +4,11 @@ varies by 15% from run to run; the count by well under 1%).
 
     .venv/bin/python bench/transport_cost.py                                  # this checkout
     .venv/bin/python bench/transport_cost.py --trees . /path/to/a/checkout-of-main --record bench/results/NAME.json
+    .venv/bin/python bench/transport_cost.py --pythons .venv/bin/python /path/to/py3.12-venv/bin/python
+
+`--pythons`: the interpreters the client runs on, each a venv with the service's HTTP dependencies
+(aiohttp, yarl, multidict, orjson, uvloop, pydantic: the versions matter, so pin this venv's); rows
+say each one's version.
 
 For each tree (its `inference/` is the one imported) and answer size, a client process sends POSTs
 (a 500-id prompt as JSON, as an exact turn's completion) through `inference.transport.make_transport`
@@ -67,11 +72,11 @@ async def _client(port: int, requests: int) -> None:
         await transport.aclose()
 
 
-def _instructions(tree: Path, port: int, requests: int) -> int:
+def _instructions(python: str, tree: Path, port: int, requests: int) -> int:
     """The client process's instructions for `requests` requests, imports and start included."""
     out = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-         sys.executable, __file__, "_client", str(port), str(requests)],
+         python, __file__, "_client", str(port), str(requests)],
         env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     found = re.search(r"Collected : (\d+)", out.stderr)
@@ -85,12 +90,20 @@ def _label(tree: Path) -> str:
     return f"{tree.name} ({head.stdout.strip() or 'not git'})"
 
 
+def _version(python: str) -> str:
+    out = subprocess.run([python, "-c", "import platform; print(platform.python_version())"], capture_output=True)
+    if out.returncode != 0:
+        raise SystemExit(f"transport_cost.py: {python} does not run: {out.stderr.decode()[-500:]}")
+    return out.stdout.decode().strip()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trees", nargs="+", type=Path, default=[ROOT], help="checkouts whose transport to count")
     parser.add_argument("--answer-bytes", type=int, nargs="+", default=[200, 60_000])
     parser.add_argument("--few", type=int, default=300)
     parser.add_argument("--many", type=int, default=1500)
+    parser.add_argument("--pythons", nargs="+", default=[sys.executable], help="interpreters to run the client on")
     parser.add_argument("--record", metavar="PATH", help="also write the rows as a benchmark record")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
@@ -100,6 +113,7 @@ def main() -> int:
     from rollout_service.tools.stack import ManagedProcess, fresh_port_file
 
     trees = [tree.resolve() for tree in args.trees]
+    pythons = {python: _version(python) for python in args.pythons}
     rows = []
     logs = ROOT / "results" / "logs"
     for answer_bytes in args.answer_bytes:
@@ -113,21 +127,23 @@ def main() -> int:
             server.start()
             port = server.wait_port(port_file, 30)
             first = None
-            for tree in trees:
-                few, many = _instructions(tree, port, args.few), _instructions(tree, port, args.many)
-                per_request = round((many - few) / (args.many - args.few))
-                first = first or per_request
-                rows.append(
-                    {
-                        "tree": _label(tree),
-                        "answer bytes": answer_bytes,
-                        "instructions/request": per_request,
-                        "ratio to the first tree": round(per_request / first, 3),
-                    }
-                )
-                print(
-                    f"{rows[-1]['tree']:>30} {answer_bytes:>7} B: {per_request:>9,} instructions a request", flush=True
-                )
+            for python, version in pythons.items():
+                for tree in trees:
+                    few = _instructions(python, tree, port, args.few)
+                    many = _instructions(python, tree, port, args.many)
+                    per_request = round((many - few) / (args.many - args.few))
+                    first = first or per_request
+                    rows.append(
+                        {
+                            "tree": _label(tree),
+                            **({"python": version} if len(pythons) > 1 else {}),
+                            "answer bytes": answer_bytes,
+                            "instructions/request": per_request,
+                            "ratio to the first row": round(per_request / first, 3),
+                        }
+                    )
+                    print(f"{rows[-1]['tree']:>30} Python {version} {answer_bytes:>7} B: {per_request:>9,} "
+                          "instructions a request", flush=True)  # fmt: skip
         finally:
             server.stop()
     if args.record:
