@@ -181,7 +181,8 @@ def _print_profile(stacks: Path, top: int = 25) -> None:
 
 async def measure(args: argparse.Namespace, in_flight: int, completion_tokens: int) -> dict:
     py = sys.executable
-    logs = Path(args.out).parent / "logs" / "ceiling" / f"{in_flight}-{completion_tokens}"
+    # Absolute: a service run from another checkout (before=DIR) runs there, and writes its port file here.
+    logs = (Path(args.out).parent / "logs" / "ceiling" / f"{in_flight}-{completion_tokens}").resolve()
     # Each server binds port 0 and writes the port it bound to a file read back here; a service run from
     # another checkout (bench/http_stacks.py's before=DIR) older than --port-file gets a free port instead.
     tree = getattr(args, "service_cwd", None)

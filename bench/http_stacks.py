@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--out", default="bench/results/http-stacks.json")
+    parser.add_argument("--out", default="results/http-stacks.json", help="every run, as measured")
     parser.add_argument("--record", metavar="PATH", help="also write the pairs as a benchmark record (bench/record.py)")
     args = parser.parse_args()
     args.profile = None

@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import orjson
@@ -91,9 +92,11 @@ def _label(tree: Path) -> str:
 
 
 def _version(python: str) -> str:
-    out = subprocess.run([python, "-c", "import platform; print(platform.python_version())"], capture_output=True)
+    """`python`'s version, once it is known to import what the client needs (before anything is counted)."""
+    check = "import aiohttp, orjson, pydantic, uvloop, yarl, platform; print(platform.python_version())"
+    out = subprocess.run([python, "-c", check], capture_output=True)
     if out.returncode != 0:
-        raise SystemExit(f"transport_cost.py: {python} does not run: {out.stderr.decode()[-500:]}")
+        raise SystemExit(f"transport_cost.py: {python} cannot run the client: {out.stderr.decode()[-500:]}")
     return out.stdout.decode().strip()
 
 
@@ -117,7 +120,8 @@ def main() -> int:
     rows = []
     logs = ROOT / "results" / "logs"
     for answer_bytes in args.answer_bytes:
-        port_file = fresh_port_file(logs, "transport_cost-stand-in")
+        # A folder of this run's own: two runs at once must not read each other's port.
+        port_file = fresh_port_file(Path(tempfile.mkdtemp(prefix="transport_cost-")), "stand-in")
         server = ManagedProcess(
             "the stand-in server",
             [sys.executable, __file__, "_serve", str(port_file), str(answer_bytes)],
