@@ -74,10 +74,6 @@ def start(name: str, cmd: list[str], ready_path: str, logs: Path, started: list[
     return start_listening(f"batch_cancel-{name}", cmd, logs, started, ready_path=ready_path)
 
 
-def url(proc: ManagedProcess) -> str:
-    return f"http://127.0.0.1:{proc.port}"
-
-
 def http_request(method: str, port: int, path: str, body: bytes) -> bytes:
     return (
         f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
@@ -126,10 +122,9 @@ def main() -> int:
     try:
         t = time.monotonic()
         model_cmd = [sys.executable, str(SCRIPTED_MODEL), "--port", "0", "--script", "answer"]
-        model_url = url(start("model", model_cmd, "/v1/models", args.logs, started))
-        env_url = url(
-            start("refenv", refenv_command(0, "--pool", "2", "--latency-ms", "600000"), "/health", args.logs, started)
-        )
+        model_url = start("model", model_cmd, "/v1/models", args.logs, started).url
+        refenv = refenv_command(0, "--pool", "2", "--latency-ms", "600000")
+        env_url = start("refenv", refenv, "/health", args.logs, started).url
         service_cmd = service_command(
             0,
             [env_url],
@@ -140,7 +135,7 @@ def main() -> int:
         )
         service = start("service", service_cmd, "/health", args.logs, started)
         assert service.proc is not None and service.port is not None
-        service_url, service_port = url(service), service.port
+        service_url, service_port = service.url, service.port
         print(f"stack up in {time.monotonic() - t:.1f}s (service pid {service.proc.pid}; logs in {args.logs})")
 
         detail_client = httpx.Client(timeout=30.0)

@@ -70,7 +70,8 @@ class Processes:
     def url(self, name: str, port_file: Path, timeout_s: float = 120.0) -> str:
         """The loopback URL of `name` once it wrote the port it bound to `port_file`."""
         proc = ManagedProcess(name, self.running[name].args, self.logs / f"{name}.log", proc=self.running[name])
-        return f"http://127.0.0.1:{proc.wait_port(port_file, timeout_s)}"
+        proc.wait_port(port_file, timeout_s)
+        return proc.url
 
     def stop(self) -> None:
         for proc in self.running.values():

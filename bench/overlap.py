@@ -104,7 +104,7 @@ def main() -> None:
     try:
 
         def start(name: str, cmd: list[str]) -> str:
-            return f"http://127.0.0.1:{start_listening(f'overlap-{name}', cmd, logs, started, timeout_s=120).port}"
+            return start_listening(f"overlap-{name}", cmd, logs, started, timeout_s=120).url
 
         env_url = start("refenv", refenv_command(0, "--pool", str(args.pool), step=True))
         service_url = start("service", service_command(0, [env_url], args.vllm, model=args.model))

@@ -72,7 +72,7 @@ def main() -> int:
     started: list[ManagedProcess] = []
     try:
         cmd = refenv_command(0, "--pool", str(args.pool))
-        url = f"http://127.0.0.1:{start_listening('bench-refenv', cmd, Path('results/logs'), started).port}"
+        url = start_listening("bench-refenv", cmd, Path("results/logs"), started).url
         result = asyncio.run(measure(url, args.drivers, args.seconds))
         health = httpx.get(f"{url}/health").json()
     finally:

@@ -119,37 +119,38 @@ def main() -> int:
     pythons = {python: _version(python) for python in args.pythons}
     rows = []
     logs = ROOT / "results" / "logs"
-    for answer_bytes in args.answer_bytes:
-        # A folder of this run's own: two runs at once must not read each other's port.
-        port_file = fresh_port_file(Path(tempfile.mkdtemp(prefix="transport_cost-")), "stand-in")
-        server = ManagedProcess(
-            "the stand-in server",
-            [sys.executable, __file__, "_serve", str(port_file), str(answer_bytes)],
-            logs / "transport_cost-stand-in.log",
-        )
-        try:
-            server.start()
-            port = server.wait_port(port_file, 30)
-            first = None
-            for python, version in pythons.items():
-                for tree in trees:
-                    few = _instructions(python, tree, port, args.few)
-                    many = _instructions(python, tree, port, args.many)
-                    per_request = round((many - few) / (args.many - args.few))
-                    first = first or per_request
-                    rows.append(
-                        {
-                            "tree": _label(tree),
-                            **({"python": version} if len(pythons) > 1 else {}),
-                            "answer bytes": answer_bytes,
-                            "instructions/request": per_request,
-                            "ratio to the first row": round(per_request / first, 3),
-                        }
-                    )
-                    print(f"{rows[-1]['tree']:>30} Python {version} {answer_bytes:>7} B: {per_request:>9,} "
-                          "instructions a request", flush=True)  # fmt: skip
-        finally:
-            server.stop()
+    # A folder of this run's own: two runs at once must not read each other's port.
+    with tempfile.TemporaryDirectory(prefix="transport_cost-") as ports:
+        for answer_bytes in args.answer_bytes:
+            port_file = fresh_port_file(Path(ports), "stand-in")
+            server = ManagedProcess(
+                "the stand-in server",
+                [sys.executable, __file__, "_serve", str(port_file), str(answer_bytes)],
+                logs / "transport_cost-stand-in.log",
+            )
+            try:
+                server.start()
+                port = server.wait_port(port_file, 30)
+                first = None
+                for python, version in pythons.items():
+                    for tree in trees:
+                        few = _instructions(python, tree, port, args.few)
+                        many = _instructions(python, tree, port, args.many)
+                        per_request = round((many - few) / (args.many - args.few))
+                        first = first or per_request
+                        rows.append(
+                            {
+                                "tree": _label(tree),
+                                **({"python": version} if len(pythons) > 1 else {}),
+                                "answer bytes": answer_bytes,
+                                "instructions/request": per_request,
+                                "ratio to the first row": round(per_request / first, 3),
+                            }
+                        )
+                        print(f"{rows[-1]['tree']:>30} Python {version} {answer_bytes:>7} B: {per_request:>9,} "
+                              "instructions a request", flush=True)  # fmt: skip
+            finally:
+                server.stop()
     if args.record:
         notes = (
             f"{args.many} and {args.few} requests, {IN_FLIGHT} in flight, each a POST of a {len(PROMPT)}-id prompt;"

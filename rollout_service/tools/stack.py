@@ -144,7 +144,7 @@ def start_embedded_vllm(
         log_start = log_path.stat().st_size if log_path.exists() else 0
         proc = launch_embedded_vllm(port or free_port(), log_path, name=name, kv_cache_gib=kv_cache_gib, eager=eager)
         try:
-            proc.wait_http(f"http://127.0.0.1:{proc.port}/v1/models", timeout_s=timeout_s, progress=progress)
+            proc.wait_http(f"{proc.url}/v1/models", timeout_s=timeout_s, progress=progress)
             return proc
         except StackError:
             exited = not proc.alive()  # not a timeout: it ended by itself
@@ -296,12 +296,19 @@ class ManagedProcess:
         self.port = port
         return port
 
+    @property
+    def url(self) -> str:
+        """Where it listens on loopback, once its port is known."""
+        if self.port is None:
+            raise StackError(f"{self.name}'s port is not known yet")
+        return f"http://127.0.0.1:{self.port}"
+
     def wait_listening(self, port_file: Path, ready_path: str = "/health", timeout_s: float = 60) -> str:
         """For a server of ours started with `--port-file port_file` (refenv, the service): its URL
         once it listens and answers `ready_path` with 200."""
-        url = f"http://127.0.0.1:{self.wait_port(port_file, timeout_s)}"
-        self.wait_http(f"{url}{ready_path}", timeout_s=timeout_s)
-        return url
+        self.wait_port(port_file, timeout_s)
+        self.wait_http(f"{self.url}{ready_path}", timeout_s=timeout_s)
+        return self.url
 
     def wait_http(
         self, url: str, timeout_s: float, progress: Callable[[float], None] | None = None, every_s: float = 10.0
