@@ -231,6 +231,19 @@ _DENIED_ACTIONS = {
     sqlite3.SQLITE_CREATE_VTABLE,
     sqlite3.SQLITE_DROP_VTABLE,
 }
+# What a statement may read: the world's own tables and its schema (the same in every world), and
+# SQLite's JSON table functions. Every other table SQLite would show is introspection of the
+# connection or its storage (sqlite_stmt lists the statements prepared on it, dbstat and
+# sqlite_dbpage its pages, sqlite_temp_master its temp schema): refused, whatever a later SQLite adds.
+_READABLE = frozenset({*TABLES, "sqlite_master", "sqlite_schema", "json_each", "json_tree"})
+
+
+def _authorize(action: int, arg1: str | None, *_: object) -> int:
+    if action in _DENIED_ACTIONS or (action == sqlite3.SQLITE_READ and arg1 not in _READABLE):
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
+
+
 # What one statement from the model may cost. Steps bound a runaway cross join; the clock bounds
 # steps that are each slow; the value cap bounds memory. SQLite checks the clock (the progress
 # handler) only where the program jumps: constant expressions, computed once before the first row,
@@ -486,9 +499,7 @@ class World:
 
         Longer text and blob values come back cut to `max_chars + 1`, so a renderer can mark the cut."""
         stopped = _StatementBudget()
-        self.conn.set_authorizer(
-            lambda action, *_: sqlite3.SQLITE_DENY if action in _DENIED_ACTIONS else sqlite3.SQLITE_OK
-        )
+        self.conn.set_authorizer(_authorize)
         self.conn.set_progress_handler(stopped.check, _PROGRESS_EVERY)
         before = self.conn.total_changes
         guards = (self.printf, self.search, self.patterns)
@@ -522,8 +533,8 @@ class World:
     async def in_thread(self, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` on a worker thread: the statements and grading that read this world.
 
-        A cancelled caller goes on to give the world back, and the pool reloads a dirty one in
-        place: that must never happen under a thread still reading it (SQLite segfaults). So
+        A cancelled caller goes on to give the world back, and the pool closes its connection and
+        opens a fresh one: that must never happen under a thread still reading it (SQLite segfaults). So
         cancellation interrupts the thread's statement and waits for the thread to end."""
         future = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
         try:
@@ -569,7 +580,8 @@ def _fetch_cut(cursor: sqlite3.Cursor, limit: int, max_chars: int) -> list[tuple
 
 
 class WorldPool:
-    """`size` worlds; `acquire` blocks FIFO while all are leased, `release` restores dirty ones."""
+    """`size` worlds; `acquire` blocks FIFO while all are leased; `release` gives the world a fresh
+    connection on the pristine image."""
 
     def __init__(self, pristine: sqlite3.Connection, size: int) -> None:
         self._image = pristine.serialize()
@@ -632,11 +644,11 @@ class WorldPool:
         return self._busy_closed + sum(now - t for t in self._lease_started.values())
 
     def release(self, world: World) -> None:
-        if world.conn.in_transaction:  # a model's BEGIN must not carry over into the next lease
-            world.conn.execute("ROLLBACK")
-        if world.dirty:
-            # Writes must never leak into the next lease: reload the pristine image.
-            self._load_image(world.conn)
-            world.dirty = False
+        # Nothing of this lease may reach the next: not its writes, not an open transaction, and not
+        # the connection's own state (the statements it prepared and cached, last_insert_rowid(),
+        # total_changes()). A new connection on the pristine image holds none of it.
+        world.conn.close()
+        world.conn = self._fresh_connection(world.printf, world.search, world.patterns)
+        world.dirty = False
         self._busy_closed += time.monotonic() - self._lease_started.pop(world.index)
         self._free.put_nowait(world)

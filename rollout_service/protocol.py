@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, get_args
 
 import httpx
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # The last segments of what the service itself asks a backend (an env's /health, /tasks, /step,
@@ -111,6 +111,25 @@ WireFloat = Annotated[float, _not_text_or_bool("number")]
 WireFloatOrNull = Annotated[float | None, _not_text_or_bool("number")]
 WireBool = Annotated[bool, BeforeValidator(_true_or_false)]
 
+# Control characters (C0, DEL, C1) and the Unicode line and paragraph separators: in a name that is
+# logged, one would start a line of its own in a text log, forged by whoever sent the name.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _printable(value: str) -> str:
+    found = _UNPRINTABLE.search(value)
+    if found is not None:
+        raise PydanticCustomError(
+            "control_character",
+            "must not hold control characters or line breaks (found U+{code} at {at})",
+            {"code": f"{ord(found.group()):04X}", "at": found.start()},
+        )
+    return value
+
+
+# A name the service logs (ids, task ids, versions, families): printable text only.
+LoggedName = Annotated[str, AfterValidator(_printable)]
+
 
 REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles
 
@@ -179,11 +198,11 @@ class GroupRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task_id: str | None = Field(None, min_length=1, max_length=200, description="the env's task id")
-    slug: str | None = Field(None, min_length=1, max_length=300, description="or the task's slug")
+    task_id: LoggedName | None = Field(None, min_length=1, max_length=200, description="the env's task id")
+    slug: LoggedName | None = Field(None, min_length=1, max_length=300, description="or the task's slug")
     n: WireInt = Field(8, ge=1, description="attempts in the group (at most the service's --max-n)")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
-    model: str | None = Field(None, max_length=200, description="model name; default: the service's policy")
+    model: LoggedName | None = Field(None, max_length=200, description="model name; default: the service's policy")
     reward_profile: Literal["rl", "benchmark"] | None = Field(None, description="default: the env's own")
     advantage: Literal["mean", "zscore"] = Field(
         "mean", description="mean: reward - group mean; zscore: also divided by the group's std"
@@ -222,8 +241,8 @@ class GroupRequest(BaseModel):
     policy_version: Any = Field(
         None, description="no longer accepted: the service records the version of every turn itself", exclude=True
     )
-    group_id: str | None = Field(None, max_length=200, description="echoed back; default: generated")
-    pin_version: str | None = Field(
+    group_id: LoggedName | None = Field(None, max_length=200, description="echoed back; default: generated")
+    pin_version: LoggedName | None = Field(
         None,
         max_length=100,
         description="evaluation on a pinned version: every policy turn runs on this version (one the service "

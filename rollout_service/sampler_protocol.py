@@ -9,15 +9,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .protocol import GroupRequest, WireFloat, WireInt, WireIntOrNull, describe_errors
+from .protocol import GroupRequest, LoggedName, WireFloat, WireInt, WireIntOrNull, describe_errors
 
 # The fields of a group that the sampler fills in itself, per group.
 _DRAWN_FIELDS = ("task_id", "slug", "group_id")
 
 
 # As long as the group's own fields allow (GroupRequest.task_id, an env's URL in POST /envs).
-TaskId = Annotated[str, Field(min_length=1, max_length=200)]
-Family = Annotated[str, Field(min_length=1, max_length=200)]
+# An abandoned stream holds its buffer's worth of queue and memory until it expires: an hour at most.
+MAX_IDLE_TIMEOUT_S = 3_600
+
+TaskId = Annotated[LoggedName, Field(min_length=1, max_length=200)]
+Family = Annotated[LoggedName, Field(min_length=1, max_length=200)]
 EnvUrl = Annotated[str, Field(min_length=1, max_length=2048)]
 
 
@@ -146,7 +149,10 @@ class StreamCreate(_SamplerSettings):
     )
     max_groups: WireIntOrNull = Field(None, ge=1, description="budget over the stream's life (default: none)")
     idle_timeout_s: WireFloat = Field(
-        600, gt=0, le=86_400, description="the stream is closed (its groups cancelled) after this long without a pull"
+        600,
+        gt=0,
+        le=MAX_IDLE_TIMEOUT_S,
+        description="the stream is closed (its groups cancelled) after this long without a pull",
     )
 
     @field_validator("group")

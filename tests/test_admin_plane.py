@@ -162,6 +162,113 @@ def test_the_data_key_runs_groups_and_only_the_admin_key_changes_membership_or_p
     assert err.value.status == 401
 
 
+def _raw(url: str, method: str, target: str, key: str | None, body: bytes = b"") -> tuple[int, str]:
+    """One request with `target` sent byte for byte (no client normalizes it): (status, the error code)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    head = [f"{method} {target} HTTP/1.1", f"Host: {host}", "Connection: close", f"Content-Length: {len(body)}"]
+    if body:
+        head.append("Content-Type: application/json")
+    if key is not None:
+        head.append(f"Authorization: Bearer {key}")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    status = int(answer.split(b" ", 2)[1])
+    _, _, payload = answer.partition(b"\r\n\r\n")
+    try:
+        answer_body = json.loads(payload)
+    except ValueError:
+        return status, ""
+    return status, answer_body.get("error", "") if isinstance(answer_body, dict) else "<not an error body>"
+
+
+def _path_variants(path: str) -> list[str]:
+    """Ways to write a path that a router or a check could read differently from the route's own."""
+    first, _, rest = path[1:].partition("/")
+    letters = "".join(f"%{ord(c):02X}" if c.isalpha() else c for c in path)
+    variants = [path + suffix for suffix in ("%0A", "%0a", "%0D", "%0D%0A", "%09", "%00", "%7F", "%0A%0A")]
+    variants += [
+        path + "/",  # trailing slash
+        "/" + path,  # double slash first
+        path.replace("/", "//"),  # every slash doubled
+        path + "//",
+        "/x/.." + path,  # dot segments
+        "/." + path,
+        path + "/.",
+        path + "/..",
+        path.upper(),  # case
+        "/" + first.capitalize() + ("/" + rest if rest else ""),
+        "/%" + f"{ord(first[0]):02X}" + path[2:],  # one percent-encoded letter
+        "/%" + f"{ord(first[0]):02x}" + path[2:],
+        letters,  # every letter percent-encoded
+        "/" + path[1:].replace("/", "%2F"),  # encoded slashes
+        path + "?x=1",  # a query string
+        path + "?",
+        path + "%0A?x=1",
+        path + "%20",
+        path + "%3B",
+        path + ";x",
+    ]
+    return variants
+
+
+def test_the_plane_is_the_matched_routes_under_every_way_of_writing_its_path(
+    start_refenv, start_service, start_scripted_model, hostile
+):
+    """From the app's own route table: every admin route, with the trainers' key, under each variant of
+    its path; every data route with no key. None gets the route's answer. The oracle: a hostile env
+    and model server, offered as the body of every membership call, are never asked anything.
+    Break tried: the exact-string check of the raw path back (`path == "/envs" or ...`) -> `/envs%0A`
+    answers 200 with the env list, and `POST /envs%0A` asks the hostile env /health."""
+    hostile_url, asked = hostile
+    model = start_scripted_model("answer")
+    env = start_refenv("--pool", "2")
+    keys = {"TEST_DATA_KEY": "trainer-key", "TEST_ADMIN_KEY": "operator-key"}
+    service = start_service(
+        [env.url], "--api-key-env", "TEST_DATA_KEY", "--admin-key-env", "TEST_ADMIN_KEY",
+        env=keys, vllm=model.url, model="scripted",
+    )  # fmt: skip
+    # The route table as the running app declares it (its OpenAPI schema: every route, with its plane).
+    schema = httpx.get(f"{service.url}/openapi.json", headers=_bearer("operator-key")).json()
+    routes = [
+        (method.upper(), path, operation["x-plane"])
+        for path, item in schema["paths"].items()
+        for method, operation in item.items()
+    ]
+    admin = [(m, p) for m, p, plane in routes if plane == "admin"]
+    data = [(m, p) for m, p, plane in routes if plane == "data"]
+    # Read, not an empty list; and what the operators' plane must hold is on it (this list is the test's own).
+    assert {("GET", "/envs"), ("POST", "/envs"), ("POST", "/replicas"), ("POST", "/policy")} <= set(admin), admin
+    assert len(admin) >= 9 and len(data) >= 10, routes
+    membership = json.dumps({"url": hostile_url, "timeout_s": 2}).encode()  # a valid body: served, it would be asked
+    bodies = {"/envs": membership, "/replicas": membership, "/policy": json.dumps({"version": "v9"}).encode()}
+    served = []
+    for method, path in admin:
+        concrete = path.replace("{stream_id}", "s-0")
+        body = bodies.get(concrete, b"")
+        # The path as declared: refused with the trainers' key, served with the operators' (sanity).
+        assert _raw(service.url, method, concrete, "trainer-key", body)[0] == 401, (method, path)
+        for target in _path_variants(concrete):
+            status, error = _raw(service.url, method, target, "trainer-key", body)
+            if status not in (400, 401, 404) or error not in ("invalid_path", "unauthorized", "not_found"):
+                served.append((method, target, status, error))
+    for method, path in data:
+        concrete = path.replace("{stream_id}", "s-0")
+        for target in [concrete, *_path_variants(concrete)]:
+            status, error = _raw(service.url, method, target, None, b"{}")
+            if status not in (400, 401) or error not in ("invalid_path", "unauthorized"):
+                served.append((method, target, status, error))
+    assert served == [], served
+    assert asked == [], "the hostile env or model server was asked something"
+    listed = httpx.get(f"{service.url}/envs", headers=_bearer("operator-key")).json()
+    assert [e["url"] for e in listed] == [env.url]
+    # The public route stays public, and only under its own path.
+    assert _raw(service.url, "GET", "/health", None) == (200, "")
+    assert _raw(service.url, "GET", "/health%0A", None)[0] == 400
+
+
 def test_the_keys_are_read_from_the_file_compose_and_ray_write(tmp_path, start_refenv, start_service):
     """The key file `rollout-service keys` writes (0600, not overwritten) is what the client reads.
     Break tried: client_keys ignoring key_file -> no key sent (401)."""

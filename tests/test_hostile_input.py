@@ -174,3 +174,29 @@ def test_json_numbers_still_fill_float_fields(unstarted_app):
     assert (r.status_code, r.json()["error"]) == (503, "starting"), r.text
     r = unstarted_app.post("/envs", json={"url": "http://127.0.0.1:9", "timeout_s": 5})
     assert (r.status_code, r.json()["error"]) == (503, "starting"), r.text
+
+
+@pytest.mark.parametrize(
+    "bad", ["a\nb", "a\r\nINFO forged", "tab\there", "nul\x00", "esc\x1b[31m", "del\x7f", "nel\x85", "ls\u2028"]
+)
+def test_names_that_are_logged_refuse_control_characters(unstarted_app, bad):
+    """group_id, task ids, slugs, pinned versions and families reach the service's text log: a line
+    break in one would start a forged log line. Break tried: LoggedName as plain `str` -> 503 `starting`
+    (accepted) for every row."""
+    code = f"U+{ord(next(c for c in bad if not c.isprintable())):04X}"
+    for body in (
+        {"task_id": "t001", "group_id": bad},
+        {"task_id": bad},
+        {"slug": bad},
+        {"task_id": "t001", "pin_version": bad},
+        {"task_id": "t001", "model": bad},
+    ):
+        r = unstarted_app.post("/groups", json=body)
+        assert r.status_code == 422 and r.json()["error"] == "invalid_request", (body, r.text)
+        assert "control characters" in r.json()["message"] and code in r.json()["message"], r.text
+    for draw in ({"task_ids": [bad]}, {"families": {bad: 1.0}}):
+        r = unstarted_app.post("/samplers", json={"tasks": draw})
+        assert r.status_code == 422 and "control characters" in r.json()["message"], (draw, r.text)
+    # Printable text of any script is a name.
+    r = unstarted_app.post("/groups", json={"task_id": "t001", "group_id": "étape-7 ✓ 群"})
+    assert r.status_code == 503 and r.json()["error"] == "starting", r.text

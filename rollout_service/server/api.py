@@ -33,6 +33,7 @@ from ..protocol import (
     ReplicaRemove,
     ReplicaState,
 )
+from .auth import Plane, on_plane
 from .errors import shutting_down
 from .health_detail import HealthDetail
 from .service import RolloutService
@@ -79,7 +80,13 @@ def with_cancellation(handler: Callable[..., Awaitable[Response]]) -> Callable[.
     return wrapper
 
 
-@router.post("/groups", response_model=GroupResult, responses=_ERRORS, summary="Run one group")
+@router.post(
+    "/groups",
+    openapi_extra=on_plane(Plane.DATA),
+    response_model=GroupResult,
+    responses=_ERRORS,
+    summary="Run one group",
+)
 @with_cancellation
 async def post_group(body: GroupRequest, request: Request) -> Response:
     service = _service(request)
@@ -95,6 +102,7 @@ async def post_group(body: GroupRequest, request: Request) -> Response:
 
 @router.post(
     "/groups/batch",
+    openapi_extra=on_plane(Plane.DATA),
     responses=_ERRORS,
     summary="Run many groups; stream each as it finishes",
     response_description="NDJSON: one line per group, {index, group} or {index, error}",
@@ -109,13 +117,19 @@ async def post_batch(body: BatchRequest, request: Request) -> Response:
     return batch_answer(request, service.admission, tasks, sizes, held, service.config.stream_stall_timeout)
 
 
-@router.get("/policy", response_model=PolicyState, summary="The policy version served, per replica, and recent updates")
+@router.get(
+    "/policy",
+    openapi_extra=on_plane(Plane.DATA),
+    response_model=PolicyState,
+    summary="The policy version served, per replica, and recent updates",
+)
 async def get_policy(request: Request) -> PolicyState:
     return ready(request).replicas.versions.state()
 
 
 @router.post(
     "/policy",
+    openapi_extra=on_plane(Plane.ADMIN),
     response_model=PolicyUpdateResult,
     responses=_ERRORS,
     summary="Serve a new policy version: a LoRA adapter, full weights from disk, or weights the trainer pushed",
@@ -130,6 +144,7 @@ async def post_policy(body: PolicyUpdate, request: Request) -> PolicyUpdateResul
 
 @router.post(
     "/policy/pause",
+    openapi_extra=on_plane(Plane.ADMIN),
     response_model=PolicyState,
     responses=_ERRORS,
     summary="Hold every policy replica paused while the trainer pushes weights itself; POST /policy resumes",
@@ -141,7 +156,12 @@ async def pause_policy(request: Request, body: PauseRequest | None = None) -> Po
     return await asyncio.shield(ready(request).replicas.versions.pause(None if body is None else body.timeout_s))
 
 
-@router.get("/envs", response_model=list[EnvState], summary="The envs scheduled on, with their pools and slots held")
+@router.get(
+    "/envs",
+    openapi_extra=on_plane(Plane.ADMIN),
+    response_model=list[EnvState],
+    summary="The envs scheduled on, with their pools and slots held",
+)
 async def list_envs(request: Request) -> list[EnvState]:
     envs = ready(request).envs
     return [envs.state(env) for env in envs.envs.values()]
@@ -149,6 +169,7 @@ async def list_envs(request: Request) -> list[EnvState]:
 
 @router.post(
     "/envs",
+    openapi_extra=on_plane(Plane.ADMIN),
     status_code=201,
     response_model=EnvState,
     responses=_ERRORS,
@@ -163,6 +184,7 @@ async def add_env(body: EnvAdd, request: Request) -> EnvState:
 
 @router.post(
     "/envs/drain",
+    openapi_extra=on_plane(Plane.ADMIN),
     response_model=EnvState,
     responses=_ERRORS,
     summary="Start no new episode on an env; the episodes on it finish",
@@ -173,6 +195,7 @@ async def drain_env(body: EnvRef, request: Request) -> EnvState:
 
 @router.post(
     "/envs/remove",
+    openapi_extra=on_plane(Plane.ADMIN),
     response_model=EnvRemoved,
     responses=_ERRORS,
     summary="Drain an env, wait for its episodes to finish, then stop scheduling on it",
@@ -186,6 +209,7 @@ async def remove_env(body: EnvRemove, request: Request) -> EnvRemoved:
 
 @router.post(
     "/replicas",
+    openapi_extra=on_plane(Plane.ADMIN),
     status_code=201,
     response_model=ReplicaState,
     responses=_ERRORS,
@@ -202,6 +226,7 @@ async def add_replica(body: ReplicaAdd, request: Request) -> ReplicaState:
 
 @router.post(
     "/replicas/drain",
+    openapi_extra=on_plane(Plane.ADMIN),
     response_model=ReplicaState,
     responses=_ERRORS,
     summary="Send no new turn to a replica; groups pinned there move at their next turn",
@@ -212,6 +237,7 @@ async def drain_replica(body: ReplicaRef, request: Request) -> ReplicaState:
 
 @router.post(
     "/replicas/remove",
+    openapi_extra=on_plane(Plane.ADMIN),
     response_model=ReplicaState,
     responses=_ERRORS,
     summary="Drain a replica, wait for its requests in flight to end, then stop routing to it",
@@ -224,6 +250,7 @@ async def remove_replica(body: ReplicaRemove, request: Request) -> ReplicaState:
 
 @router.get(
     "/health",
+    openapi_extra=on_plane(Plane.PUBLIC),
     summary="Status only (ok, degraded, starting, failed): cheap and public; 503 until started, so probes wait",
 )
 async def health(request: Request) -> Response:
@@ -233,6 +260,7 @@ async def health(request: Request) -> Response:
 
 @router.get(
     "/health/detail",
+    openapi_extra=on_plane(Plane.DATA),
     response_model=HealthDetail,
     response_model_exclude_unset=True,
     summary="Each env and model server as last probed, the run log, the queues (behind the API key when one is set)",
@@ -245,12 +273,12 @@ async def health_detail(request: Request) -> HealthDetail:
     return detail
 
 
-@router.get("/tasks", summary="Tasks served by the envs")
+@router.get("/tasks", openapi_extra=on_plane(Plane.DATA), summary="Tasks served by the envs")
 async def tasks(request: Request) -> dict:
     listed = ready(request).envs.task_list()
     return {"tasks": listed, "count": len(listed)}
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", openapi_extra=on_plane(Plane.DATA), summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
     return Response(_service(request).metrics.render(), media_type="text/plain; version=0.0.4")

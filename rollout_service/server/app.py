@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import installed_version
 from ..protocol import describe_errors
 from .api import router
-from .auth import PlaneAuth, service_keys
+from .auth import PlaneAuth, service_keys, unmarked_routes
 from .config import ServiceConfig
 from .errors import (
     BackendFailed,
@@ -30,7 +30,7 @@ from .errors import (
     TooBusy,
     Unavailable,
 )
-from .middleware import BodyLimit, error_response
+from .middleware import BodyLimit, RefuseControlPaths, error_response
 from .sampler_api import router as sampler_router
 from .service import RolloutService
 
@@ -146,10 +146,16 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         version=installed_version(),
         lifespan=lifespan,
         description="Reward groups for RL post-training, generated on vLLM against step-driven environments.",
+        # A path one slash off names no route: a redirect would be an answer the keys were checked for
+        # on another path than the one it sends the client to.
+        redirect_slashes=False,
     )
     app.state.service = service
     app.include_router(router)
     app.include_router(sampler_router)
+    unmarked = unmarked_routes(app.router.routes)
+    if unmarked:  # a route on no plane would be served to whichever key the default let in
+        raise RuntimeError(f"routes declared without a plane (auth.on_plane): {unmarked}")
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestRefused, _refused)  # type: ignore[arg-type]
@@ -165,5 +171,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         logging.getLogger("rollout_service").warning(missing)
         app.state.warnings.append(missing)
     if keys.data is not None or keys.admin is not None:
-        app.add_middleware(PlaneAuth, keys=keys)  # outermost: nothing is parsed before the key is checked
+        # Outside the body cap: nothing is parsed before the key is checked.
+        app.add_middleware(PlaneAuth, keys=keys, routes=app.router.routes)
+    app.add_middleware(RefuseControlPaths)  # outermost: before the keys, before routing
     return app

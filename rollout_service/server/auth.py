@@ -5,6 +5,10 @@ model replicas the service uses, which policy it serves, pausing it) is the oper
 holds it decides what completions and rewards a run learns from. Each plane has its own bearer key,
 named by the variable holding it (`--api-key-env`, `--admin-key-env`; one key may serve both). Off
 loopback the service starts only with both planes keyed, unless told `--insecure-no-auth`.
+
+Each route names its plane where it is declared (`on_plane`), and a request's plane is the plane of
+the route that will serve it, found the way the router finds it: never a second reading of the path,
+which the router's own matching could disagree with (its `$` also matches before a final newline).
 """
 
 from __future__ import annotations
@@ -14,9 +18,13 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
 
+from fastapi.routing import APIRoute
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..flags import parse_listen
@@ -25,15 +33,51 @@ from .middleware import error_response
 
 log = logging.getLogger("rollout_service.auth")
 
-# Paths anyone may ask: a probe needs no key.
-PUBLIC_PATHS = frozenset({"/health"})
+
+class Plane(StrEnum):
+    PUBLIC = "public"  # anyone: a probe needs no key
+    DATA = "data"  # the trainers' key (or the operators')
+    ADMIN = "admin"  # the operators' key alone
 
 
-def admin_plane(method: str, path: str) -> bool:
-    """Whether a request changes what the service runs on or serves (membership, policy updates)."""
-    if path == "/envs" or path.startswith("/envs/") or path == "/replicas" or path.startswith("/replicas/"):
-        return True
-    return path.startswith("/policy") and not (method in ("GET", "HEAD") and path == "/policy")
+_PLANE_FIELD = "x-plane"  # where a route carries its plane: its OpenAPI operation, so the schema says it too
+
+
+def on_plane(plane: Plane) -> dict[str, Any]:
+    """A route's `openapi_extra`, naming the plane it is on: `@router.post(..., openapi_extra=on_plane(...))`."""
+    return {_PLANE_FIELD: plane.value}
+
+
+def route_plane(route: BaseRoute) -> Plane:
+    """The plane a route was declared on. The framework's own pages (the OpenAPI schema, /docs) are data."""
+    if isinstance(route, APIRoute):
+        return Plane(route.openapi_extra[_PLANE_FIELD]) if route.openapi_extra else Plane.DATA
+    return Plane.DATA
+
+
+def unmarked_routes(routes: Sequence[BaseRoute]) -> list[str]:
+    """The service's routes declared without a plane (create_app refuses to build with any)."""
+    return [
+        f"{sorted(r.methods or ())} {r.path}"
+        for r in routes
+        if isinstance(r, APIRoute) and _PLANE_FIELD not in (r.openapi_extra or {})
+    ]
+
+
+def request_plane(routes: Sequence[BaseRoute], scope: Scope) -> Plane:
+    """The plane of the route the router will give `scope` to, matched as the router matches: the first
+    full match; else (the path matches, the method does not: a 405) the strictest plane among the routes
+    matching the path; else (a 404) the data plane."""
+    partial: list[Plane] = []
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return route_plane(route)
+        if match is Match.PARTIAL:
+            partial.append(route_plane(route))
+    if not partial:
+        return Plane.DATA
+    return max(partial, key=[Plane.PUBLIC, Plane.DATA, Plane.ADMIN].index)
 
 
 @dataclass(frozen=True)
@@ -103,33 +147,43 @@ def service_keys(config: ServiceConfig, environ: Mapping[str, str] | None = None
 
 
 class PlaneAuth:
-    """Every path but the public ones needs `Authorization: Bearer <key>`: the admin key on the admin
+    """Every route but the public ones needs `Authorization: Bearer <key>`: the admin key on the admin
     plane, the data key (or the admin key: an operator may read what trainers read) elsewhere.
-    Checked before anything is parsed; keys compared in constant time."""
+    Checked before anything is parsed; keys compared in constant time. Sets `scope["caller"]` to the
+    key the request was let in with ("data", "admin"; "open" on a plane with no key): caps per key
+    (sampler streams) read it."""
 
-    def __init__(self, app: ASGIApp, keys: Keys) -> None:
+    def __init__(self, app: ASGIApp, keys: Keys, routes: Sequence[BaseRoute]) -> None:
         self.app = app
+        self.routes = routes  # the app's route list itself: routes included later are seen
         self.data = keys.data.encode() if keys.data is not None else None
         self.admin = keys.admin.encode() if keys.admin is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            admin = admin_plane(scope["method"], scope["path"])
-            wanted = [self.admin] if admin else [self.data, self.admin]
-            if None not in wanted[:1]:  # the plane has a key
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        plane = request_plane(self.routes, scope)
+        caller = "open"
+        if plane is not Plane.PUBLIC:
+            admin = plane is Plane.ADMIN
+            wanted = [("admin", self.admin)] if admin else [("data", self.data), ("admin", self.admin)]
+            if wanted[0][1] is not None:  # the plane has a key
                 header = dict(scope.get("headers") or ()).get(b"authorization", b"")
                 scheme, _, token = header.partition(b" ")
                 token = token.strip()
                 # Every key compared, whatever matches first: the time taken says nothing.
-                matches = [hmac.compare_digest(token, key) for key in wanted if key is not None]
-                if scheme.lower() != b"bearer" or not any(matches):
-                    plane = "admin key (--admin-key-env)" if admin else "API key (--api-key-env)"
+                matches = [name for name, key in wanted if key is not None and hmac.compare_digest(token, key)]
+                if scheme.lower() != b"bearer" or not matches:
+                    what = "admin key (--admin-key-env)" if admin else "API key (--api-key-env)"
                     response = error_response(
                         401,
                         "unauthorized",
-                        f"send Authorization: Bearer <the service's {plane}>",
+                        f"send Authorization: Bearer <the service's {what}>",
                         headers={"WWW-Authenticate": "Bearer"},
                     )
                     await response(scope, receive, send)
                     return
+                caller = matches[0]
+        scope["caller"] = caller
         await self.app(scope, receive, send)

@@ -116,6 +116,24 @@ class ServiceConfig(BaseModel):
         description="most attempts accepted and not yet finished, across all requests; a request that would "
         "pass it gets 429 with Retry-After, one with more attempts than the cap itself 422 too_many_attempts",
     )
+    max_sampler_streams: int = Field(
+        64,
+        ge=1,
+        description="most sampler streams open at once; POST /samplers past it gets 429 too_many_streams with "
+        "Retry-After (when the soonest open stream would expire)",
+    )
+    max_sampler_streams_per_key: int = Field(
+        32,
+        ge=1,
+        description="most sampler streams open at once that were opened with one key (the API key, the admin "
+        "key; every caller counts as one where the data plane has no key): 429 too_many_streams_for_key",
+    )
+    max_sampler_buffer: int = Field(
+        512,
+        ge=1,
+        description="most groups all sampler streams together may hold buffered or running (the sum of their "
+        "`buffer`): a stream that would pass it gets 429 sampler_buffer_full",
+    )
     stream_stall_timeout: Annotated[float, Flag(metavar="SECONDS")] = Field(
         120.0,
         gt=0,

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from ..protocol import ErrorBody
 from ..sampler_protocol import SampleRequest, StreamCreate, StreamPull, StreamState, TaskStats
 from .api import ready
+from .auth import Plane, on_plane
 from .sampler import Sampler
 from .sampler_streams import dropped_line, sample_summary, summary_line
 from .stream_out import BoundedStream, HeldResults
@@ -25,6 +26,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 @router.post(
     "/groups/sample",
+    openapi_extra=on_plane(Plane.DATA),
     responses=_ERRORS,
     summary="Draw tasks and run groups until `count` carry signal or the budget is spent",
     response_description="NDJSON: {group} for each kept group as it finishes, {dropped} for each group not kept "
@@ -79,6 +81,7 @@ async def _sample_lines(sampler: Sampler, count: int, held: HeldResults) -> Asyn
 
 @router.post(
     "/samplers",
+    openapi_extra=on_plane(Plane.DATA),
     status_code=201,
     response_model=StreamState,
     responses=_ERRORS,
@@ -86,16 +89,24 @@ async def _sample_lines(sampler: Sampler, count: int, held: HeldResults) -> Asyn
 )
 async def create_stream(body: StreamCreate, request: Request) -> StreamState:
     service = ready(request)
-    return service.samplers.create(body).state()
+    # The key the request came in with (auth.PlaneAuth): streams are capped per key.
+    return service.samplers.create(body, request.scope.get("caller", "open")).state()
 
 
-@router.get("/samplers/{stream_id}", response_model=StreamState, responses=_ERRORS, summary="A stream's state")
+@router.get(
+    "/samplers/{stream_id}",
+    openapi_extra=on_plane(Plane.DATA),
+    response_model=StreamState,
+    responses=_ERRORS,
+    summary="A stream's state",
+)
 async def stream_state(stream_id: str, request: Request) -> StreamState:
     return ready(request).samplers.get(stream_id).state()
 
 
 @router.post(
     "/samplers/{stream_id}/pull",
+    openapi_extra=on_plane(Plane.DATA),
     responses=_ERRORS,
     summary="Take `count` groups from a stream",
     response_description="NDJSON: {lag, group} per group handed out (lag: policy updates behind the current "
@@ -113,7 +124,11 @@ async def pull(stream_id: str, body: StreamPull, request: Request) -> Response:
 
 
 @router.delete(
-    "/samplers/{stream_id}", response_model=StreamState, responses=_ERRORS, summary="Close a stream, cancel its groups"
+    "/samplers/{stream_id}",
+    openapi_extra=on_plane(Plane.DATA),
+    response_model=StreamState,
+    responses=_ERRORS,
+    summary="Close a stream, cancel its groups",
 )
 async def delete_stream(stream_id: str, request: Request) -> StreamState:
     service = ready(request)
@@ -123,6 +138,7 @@ async def delete_stream(stream_id: str, request: Request) -> StreamState:
 
 @router.get(
     "/tasks/stats",
+    openapi_extra=on_plane(Plane.DATA),
     response_model=list[TaskStats],
     summary="Per task and policy version: groups, graded attempts, mean reward, pass rate, share with signal",
 )

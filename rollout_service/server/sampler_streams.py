@@ -22,9 +22,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter as PromCounter
-from prometheus_client import Gauge, Histogram
-
 from ..sampler_protocol import DroppedGroup, SampleSummary, StreamCreate, StreamState
 from .admission import Admission
 from .envs import EnvRegistry
@@ -32,7 +29,9 @@ from .errors import Conflict, Gone, NotFound
 from .policy import PolicyManager
 from .result_json import one_line
 from .sampler import DropCounts, Finished, Sampler, SamplerRooms
+from .sampler_metrics import SamplerMetrics
 from .startup import Lifecycle
+from .stream_caps import StreamCaps
 from .stream_out import HeldResults
 from .task_stats import TaskStatsBook
 
@@ -44,26 +43,6 @@ log = logging.getLogger("rollout_service.samplers")
 _GONE_KEPT = 1024  # ids of closed streams remembered, to answer 410 with the reason
 _REAP_EVERY_S = 1.0
 _DROPS_KEPT = 256  # dropped-group lines a stream keeps for its next pull
-
-
-class SamplerMetrics:
-    def __init__(self, metrics: Metrics, streams: SamplerStreams) -> None:
-        r = metrics.registry
-        dropped = "Groups the sampler ran and did not keep, by reason"
-        self.dropped = PromCounter("rollout_sampler_dropped_groups", dropped, ["reason"], registry=r)
-        self.kept = PromCounter("rollout_sampler_kept_groups", "Groups the sampler kept", registry=r)
-        self.lag = Histogram(
-            "rollout_sampler_handed_lag",
-            "Policy updates each group a stream handed out was behind the current version",
-            buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
-            registry=r,
-        )
-        self.buffered = Gauge("rollout_sampler_buffered_groups", "Groups buffered in sampler streams", registry=r)
-        self.buffered.set_function(lambda: sum(len(s.buffer) for s in streams.streams.values()))
-        self.bound = Gauge("rollout_sampler_buffer_bound", "Sum of the sampler streams' buffer bounds", registry=r)
-        self.bound.set_function(lambda: sum(s.body.buffer for s in streams.streams.values()))
-        self.open = Gauge("rollout_sampler_streams", "Sampler streams open", registry=r)
-        self.open.set_function(lambda: len(streams.streams))
 
 
 def sample_summary(sampler: Sampler, requested: int, stopped: str, cancelled: int) -> SampleSummary:
@@ -100,8 +79,11 @@ class Unreported(DropCounts):
 
 
 class SamplerStream:
-    def __init__(self, rooms: SamplerRooms, body: StreamCreate, stream_id: str, metrics: SamplerMetrics) -> None:
+    def __init__(
+        self, rooms: SamplerRooms, body: StreamCreate, stream_id: str, metrics: SamplerMetrics, caller: str
+    ) -> None:
         self.id = stream_id
+        self.caller = caller  # the key it was opened with: the per-key cap counts by it
         self.rooms = rooms
         self.body = body
         self.metrics = metrics
@@ -196,6 +178,10 @@ class SamplerStream:
     @property
     def pulling(self) -> bool:
         return self._pull is not None
+
+    def expires_in(self, now: float) -> float:
+        """Seconds until it is closed if nobody pulls it (a stream being pulled: its whole idle timeout)."""
+        return self.body.idle_timeout_s - (0.0 if self.pulling else now - self.last_used)
 
     def start_pull(self, count: int, timeout_s: float) -> tuple[AsyncIterator[bytes], Callable[[], None]]:
         """A pull's lines and its end, called as its answer ends (also before the first line): one pull at
@@ -335,20 +321,24 @@ class SamplerStreams:
         task_stats: TaskStatsBook,
         metrics: Metrics,
         lifecycle: Lifecycle,
+        caps: StreamCaps,
     ) -> None:
         self.lifecycle = lifecycle
+        self.caps = caps
         self.streams: dict[str, SamplerStream] = {}
         self.gone: OrderedDict[str, str] = OrderedDict()
         self.metrics = SamplerMetrics(metrics, self)
         self.rooms = SamplerRooms(envs, admission, versions, task_stats, self.metrics.kept, self.metrics.dropped)
         self._reaper: asyncio.Task | None = None
 
-    def create(self, body: StreamCreate) -> SamplerStream:
+    def create(self, body: StreamCreate, caller: str) -> SamplerStream:
+        """A new stream for `caller` (the key its request came with), or TooBusy naming the cap it would pass."""
+        self.caps.check(list(self.streams.values()), body, caller)
         if body.max_staleness is not None and "max_staleness" not in body.group:
             # The runner bounds it while the group runs; the hand-out check, while it waits.
             body = body.model_copy(update={"group": {**body.group, "max_staleness": body.max_staleness}})
         stream_id = f"s-{uuid.uuid4().hex[:16]}"
-        stream = SamplerStream(self.rooms, body, stream_id, self.metrics)
+        stream = SamplerStream(self.rooms, body, stream_id, self.metrics, caller)
         self.streams[stream_id] = stream
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.ensure_future(self._reap())
@@ -385,8 +375,7 @@ class SamplerStreams:
             await asyncio.sleep(_REAP_EVERY_S)
             now = time.monotonic()
             for stream in list(self.streams.values()):
-                idle = now - stream.last_used
-                if not stream.pulling and idle > stream.body.idle_timeout_s:
+                if stream.expires_in(now) < 0:
                     why = f"expired: no pull for idle_timeout_s={stream.body.idle_timeout_s:g}s"
                     await self.remove(stream.id, why, logging.WARNING)
 

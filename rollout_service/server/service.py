@@ -30,6 +30,7 @@ from .runner import GroupRunner
 from .sampler_streams import SamplerStreams
 from .scheduler import WorldScheduler
 from .startup import Lifecycle
+from .stream_caps import StreamCaps
 from .task_stats import TaskStatsBook
 from .tasks import all_or_none
 
@@ -64,8 +65,9 @@ class RolloutService:
         # The sampler's rooms: difficulty per task and version (fed by every group), and the streams.
         self.task_stats = TaskStatsBook(self.replicas.versions, self.metrics)
         self.admission.on_result = self.task_stats.record
+        caps = StreamCaps(config.max_sampler_streams, config.max_sampler_streams_per_key, config.max_sampler_buffer)
         self.samplers = SamplerStreams(
-            self.envs, self.admission, self.replicas.versions, self.task_stats, self.metrics, self.lifecycle
+            self.envs, self.admission, self.replicas.versions, self.task_stats, self.metrics, self.lifecycle, caps
         )
 
     async def start(self, say: Callable[[str], None] = log.info) -> None:
