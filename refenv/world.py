@@ -231,15 +231,23 @@ _DENIED_ACTIONS = {
     sqlite3.SQLITE_CREATE_VTABLE,
     sqlite3.SQLITE_DROP_VTABLE,
 }
-# What a statement may read: the world's own tables and its schema (the same in every world), and
-# SQLite's JSON table functions. Every other table SQLite would show is introspection of the
-# connection or its storage (sqlite_stmt lists the statements prepared on it, dbstat and
-# sqlite_dbpage its pages, sqlite_temp_master its temp schema): refused, whatever a later SQLite adds.
+# What a statement may read of the database: the world's own tables and its schema (the same in
+# every world), and SQLite's JSON table functions. Every other table SQLite would show is
+# introspection of the connection or its storage (sqlite_stmt lists the statements prepared on it,
+# dbstat and sqlite_dbpage its pages, the temp schema what was made on it): refused, whatever a later
+# SQLite adds. A CTE's or a subquery's own rows are read with no database named: the statement's own.
 _READABLE = frozenset({*TABLES, "sqlite_master", "sqlite_schema", "json_each", "json_tree"})
+# Functions that reach outside the world: fts3_tokenizer() reads and sets pointers into the process
+# (an address leak), load_extension() loads code.
+_DENIED_FUNCTIONS = frozenset({"fts3_tokenizer", "load_extension"})
 
 
-def _authorize(action: int, arg1: str | None, *_: object) -> int:
-    if action in _DENIED_ACTIONS or (action == sqlite3.SQLITE_READ and arg1 not in _READABLE):
+def _authorize(action: int, arg1: str | None, arg2: str | None, database: str | None, _trigger: str | None) -> int:
+    if action in _DENIED_ACTIONS:
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_READ and database is not None and (database != "main" or arg1 not in _READABLE):
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS:
         return sqlite3.SQLITE_DENY
     return sqlite3.SQLITE_OK
 

@@ -112,16 +112,17 @@ WireFloatOrNull = Annotated[float | None, _not_text_or_bool("number")]
 WireBool = Annotated[bool, BeforeValidator(_true_or_false)]
 
 # Control characters (C0, DEL, C1) and the Unicode line and paragraph separators: in a name that is
-# logged, one would start a line of its own in a text log, forged by whoever sent the name.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# logged, one would start a line of its own in a text log, forged by whoever sent the name. And lone
+# surrogates, which no UTF-8 (a log line, the group's JSON) can hold.
+UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 def _printable(value: str) -> str:
-    found = _UNPRINTABLE.search(value)
+    found = UNPRINTABLE.search(value)
     if found is not None:
         raise PydanticCustomError(
             "control_character",
-            "must not hold control characters or line breaks (found U+{code} at {at})",
+            "must not hold control characters, line breaks or lone surrogates (found U+{code} at {at})",
             {"code": f"{ord(found.group()):04X}", "at": found.start()},
         )
     return value

@@ -267,6 +267,8 @@ def test_the_plane_is_the_matched_routes_under_every_way_of_writing_its_path(
     # The public route stays public, and only under its own path.
     assert _raw(service.url, "GET", "/health", None) == (200, "")
     assert _raw(service.url, "GET", "/health%0A", None)[0] == 400
+    assert _raw(service.url, "GET", "/health%C2%85", None)[0] == 400  # NEL, a line break to some log readers
+    assert _raw(service.url, "GET", "/health%E2%80%A8", None)[0] == 400  # U+2028
 
 
 def test_the_keys_are_read_from_the_file_compose_and_ray_write(tmp_path, start_refenv, start_service):

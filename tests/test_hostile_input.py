@@ -197,6 +197,11 @@ def test_names_that_are_logged_refuse_control_characters(unstarted_app, bad):
     for draw in ({"task_ids": [bad]}, {"families": {bad: 1.0}}):
         r = unstarted_app.post("/samplers", json={"tasks": draw})
         assert r.status_code == 422 and "control characters" in r.json()["message"], (draw, r.text)
+    # A lone surrogate (valid JSON, no UTF-8 can hold it): refused before the group runs.
+    r = unstarted_app.post(
+        "/groups", content=b'{"task_id": "t001", "group_id": "a\\ud800"}', headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 422 and "U+D800" in r.json()["message"], r.text
     # Printable text of any script is a name.
     r = unstarted_app.post("/groups", json={"task_id": "t001", "group_id": "étape-7 ✓ 群"})
     assert r.status_code == 503 and r.json()["error"] == "starting", r.text

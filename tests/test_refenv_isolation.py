@@ -40,6 +40,19 @@ PROBES = [
 ]
 
 
+# Honest statements the read rules must leave alone: CTEs the planner keeps apart (read with no
+# database named), recursive ones, joins, windows, the JSON table functions, the schema.
+HONEST = [
+    "WITH s AS (SELECT customer_id FROM orders GROUP BY customer_id HAVING count(*) > 3) SELECT count(*) FROM s",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 5) SELECT count(*) FROM c",
+    "WITH c AS (SELECT 1) SELECT count(*) FROM c, products",
+    "SELECT c.name, count(o.id) FROM customers c JOIN orders o ON o.customer_id = c.id GROUP BY c.id LIMIT 2",
+    "SELECT name, rank() OVER (ORDER BY price DESC) FROM products LIMIT 2",
+    "SELECT value FROM json_each('[1, 2]')",
+    "SELECT name FROM sqlite_master WHERE type = 'table'",
+]
+
+
 def _post(url: str, path: str, body: dict) -> dict:
     answer = httpx.post(f"{url}{path}", json=body, timeout=30)
     assert answer.status_code == 200, answer.text
@@ -93,3 +106,18 @@ def test_an_episode_reads_nothing_of_the_one_before_on_its_world(start_refenv, e
     # The counters start again: B's connection has made no change and inserted no row.
     counters = answered["SELECT last_insert_rowid(), changes(), total_changes()"]
     assert counters.splitlines()[-1].replace(" ", "").split("|") == ["0", "0", "0"], counters
+
+
+def test_honest_statements_still_run_and_functions_that_reach_outside_do_not(start_refenv):
+    """Breaks tried: reads judged by table name alone (the CTE's own rows too) -> the CTE counts are
+    `not authorized`; fts3_tokenizer() allowed -> it answers a pointer into the process."""
+    env = start_refenv("--pool", "1")
+    task = next(t for t in httpx.get(f"{env.url}/tasks").json()["tasks"] if not t["writes"])
+    refused = {}
+    for sql in [*HONEST, "SELECT hex(fts3_tokenizer('simple'))", "SELECT load_extension('x')"]:
+        episode = _post(env.url, "/step/reset", {"task_id": task["task_id"]})["episode_id"]
+        seen = _step(env.url, episode, sql)
+        if "not authorized" in seen or "prohibited" in seen:
+            refused[sql] = seen
+        assert httpx.delete(f"{env.url}/step/{episode}", timeout=30).status_code in (200, 204)
+    assert sorted(refused) == ["SELECT hex(fts3_tokenizer('simple'))", "SELECT load_extension('x')"], refused

@@ -51,6 +51,9 @@ def test_streams_are_capped_in_all_per_key_and_by_what_they_buffer(start_refenv,
     assert "--max-sampler-buffer" in big.json()["message"] and "4 groups" in big.json()["message"]
     assert _open(service, TRAINER, buffer=6).status_code == 201
 
+    # A buffer no wait could make room for is a 422, not a 429 to retry for ever.
+    never = _open(service, TRAINER, buffer=11)
+    assert never.status_code == 422 and never.json()["error"] == "buffer_over_cap", never.text
     # A stream nobody pulls lives an hour at most.
     long = _open(service, OPERATOR, idle=3601)
     assert long.status_code == 422 and "idle_timeout_s" in long.json()["message"], long.text

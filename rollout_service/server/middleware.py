@@ -3,33 +3,33 @@ anything is parsed or routed (bearer keys: auth.py)."""
 
 from __future__ import annotations
 
-import re
-
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..protocol import UNPRINTABLE
 
 
 def error_response(status: int, error: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": error, "message": message}, status_code=status, headers=headers)
 
 
-# C0 controls and DEL, as the decoded path holds them (`%0A` arrives as a newline): no route has one,
-# and a router's pattern may still match around one (`$` matches before a final newline).
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
 class RefuseControlPaths:
-    """400 `invalid_path` for a path holding a control character, before routing and before the keys."""
+    """400 `invalid_path` for a path holding a control character, a line break or a lone surrogate, before
+    routing and before the keys."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            found = _CONTROL.search(scope["path"])
+            # As the decoded path holds them (`%0A` arrives as a newline): no route has one, a router's
+            # pattern may still match around one (`$` matches before a final newline), and the path is logged.
+            found = UNPRINTABLE.search(scope["path"])
             if found is not None:
                 response = error_response(
-                    400, "invalid_path", f"the path holds a control character (U+{ord(found.group()):04X})"
+                    400,
+                    "invalid_path",
+                    f"the path holds a control character (U+{ord(found.group()):04X})",
                 )
                 await response(scope, receive, send)
                 return
