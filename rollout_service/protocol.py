@@ -343,9 +343,18 @@ class Segment(BaseModel):
     cut: CutReason | None = Field(
         None,
         description="why the previous segment ended here (null for the first): the env rewrote history, "
-        "or the chat template rendered the conversation so far differently",
+        "the chat template rendered the conversation so far differently and its render of the new messages "
+        "could not be read apart, or the last turn ended on a stop string",
     )
     cut_detail: str | None = None
+    prompts: Literal["rendered", "appended"] = Field(
+        "rendered",
+        description="rendered: every prompt in the segment is the chat template's own render of the conversation "
+        "so far (a fresh render gives the same ids); appended: the template renders the conversation so far "
+        "otherwise once more follows (a reasoning template that drops earlier reasoning from history), so the "
+        "later prompts keep every token as sampled and append the template's render of the env's new messages: "
+        "the ids are what the model saw, not what a fresh render of the messages would give",
+    )
 
 
 class Failure(BaseModel):

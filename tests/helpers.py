@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -147,3 +149,31 @@ def base_token_logprobs(ids: list[int]) -> list[float]:
     with torch.no_grad():
         logits = _base_model()(tokens).logits[0].float()
     return torch.log_softmax(logits[:-1], dim=-1).gather(1, tokens[0, 1:, None])[:, 0].tolist()
+
+
+def assert_logprobs_are_the_policys(attempts: list[dict]) -> None:
+    """The unconstrained logprobs of `attempts`' segments are the policy's own: recomputed in float32
+    from the segment's ids, they agree to bf16 noise, with no offset. bf16 noise on this model is ~0.04
+    nats mean on a quiet server and up to ~0.06 while other tests' requests share its batches; the same
+    logprobs read one position off are ~2 nats away, so the bounds tell the policy's own logprobs from
+    misaligned or other weights' ones."""
+    deltas: list[float] = []
+    shifted: list[float] = []  # the same logprobs against the next position's: what misalignment gives
+    for attempt in attempts:
+        for segment in attempt["trajectory"]:
+            own = base_token_logprobs(segment["token_ids"])
+            for position, (mask, lp) in enumerate(zip(segment["loss_mask"], segment["logprobs"], strict=True)):
+                if mask:
+                    deltas.append(lp - own[position - 1])
+                    if position < len(own):
+                        shifted.append(abs(lp - own[position]))
+    assert len(deltas) >= 30, len(deltas)
+    absolute = [abs(d) for d in deltas]
+    print("agreement:", len(deltas), "tokens; mean |d|", statistics.mean(absolute), "max", max(absolute))
+    print("signed mean", statistics.mean(deltas), "; one position off: mean |d|", statistics.mean(shifted))
+    assert statistics.mean(absolute) < 0.1, statistics.mean(absolute)
+    assert statistics.median(absolute) < 0.05, statistics.median(absolute)
+    assert max(absolute) < 1.0, max(absolute)
+    assert abs(statistics.mean(deltas)) < 0.03, statistics.mean(deltas)  # no systematic offset
+    assert statistics.mean(shifted) > 10 * statistics.mean(absolute), statistics.mean(shifted)
+    assert all(math.isfinite(d) for d in deltas)

@@ -10,8 +10,6 @@ recomputes each sampled token's logprob from the segment's ids, and the service'
 from __future__ import annotations
 
 import json
-import math
-import statistics
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from helpers import assert_accounted, base_token_logprobs
+from helpers import assert_accounted, assert_logprobs_are_the_policys
 
 from inference import embedded_model
 from inference.json_body import dumps
@@ -191,33 +189,10 @@ def test_a_rewritten_history_cuts_a_segment_and_says_so(exact_run):
 
 
 def test_logprobs_without_a_constraint_agree_with_transformers(exact_run):
-    """Unconstrained turns' logprobs are the policy's own: recomputed in float32 from the segment's
-    ids, they agree to bf16 noise, with no offset. bf16 noise on this model is ~0.04 nats mean on a
-    quiet server and up to ~0.06 while other tests' requests share its batches (batch shapes change
-    the kernels' rounding); the same logprobs read one position off are ~2 nats away, so the bounds
-    below still tell the policy's own logprobs from misaligned or other weights' ones."""
-    deltas: list[float] = []
-    shifted: list[float] = []  # the same logprobs against the next position's: what misalignment gives
-    for attempt in attempts_of(exact_run[1]):
-        assert all(not t["constrained"] for t in attempt["turns"])
-        for segment in attempt["trajectory"]:
-            own = base_token_logprobs(segment["token_ids"])
-            for position, (mask, lp) in enumerate(zip(segment["loss_mask"], segment["logprobs"], strict=True)):
-                if mask:
-                    deltas.append(lp - own[position - 1])
-                    if position < len(own):
-                        shifted.append(abs(lp - own[position]))
-    assert len(deltas) >= 30
-    absolute = [abs(d) for d in deltas]
-    print("agreement:", len(deltas), "tokens; mean |d|", statistics.mean(absolute), "max", max(absolute))
-    print("signed mean", statistics.mean(deltas), "; one position off: mean |d|", statistics.mean(shifted))
-    print("largest:", sorted(absolute)[-10:])
-    assert statistics.mean(absolute) < 0.1, statistics.mean(absolute)
-    assert statistics.median(absolute) < 0.05, statistics.median(absolute)
-    assert max(absolute) < 1.0, max(absolute)
-    assert abs(statistics.mean(deltas)) < 0.03, statistics.mean(deltas)  # no systematic offset
-    assert statistics.mean(shifted) > 10 * statistics.mean(absolute), statistics.mean(shifted)
-    assert all(math.isfinite(d) for d in deltas)
+    """Unconstrained turns' logprobs are the policy's own (helpers.assert_logprobs_are_the_policys)."""
+    attempts = attempts_of(exact_run[1])
+    assert all(not t["constrained"] for a in attempts for t in a["turns"])
+    assert_logprobs_are_the_policys(attempts)
 
 
 def test_trainer_shapes(exact_run):
@@ -339,7 +314,7 @@ def test_a_server_without_token_prompts_gets_chat(start_refenv, start_service, s
 # ChatML-like, one id per character; its own log of /tokenize calls is the oracle for how many
 # renders a turn cost, and `render` below (the template, written apart from the code under test) for
 # the ids.
-START, END, NL, ASSISTANT, USER = 1, 2, 3, 4, 5
+START, END, NL, ASSISTANT, USER, THINK, END_THINK = 1, 2, 3, 4, 5, 6, 7
 ROLES = {"assistant": ASSISTANT, "user": USER}
 
 
@@ -351,11 +326,21 @@ def _render(messages: list[dict], generation_prompt: bool, merge: str | None = N
     """The template. `merge` "start": an assistant message that begins with "S" has it tokenized with its
     header (as a BPE may join some replies' start with the newline before them); "end": one that ends
     with "1" has it tokenized with what follows. Either way the reply alone tokenizes otherwise.
-    "changed": a conversation that ends with a reply gets a token more (a template_changed cut)."""
+    "changed": a conversation that ends with a reply gets a token more. "drops": a reply with more
+    after it is rendered without its content. "reasoning" (as Qwen3's and DeepSeek-R1's): the generation
+    prompt opens a reasoning block (THINK); the last reply is rendered inside one (THINK, its reasoning,
+    END_THINK, its answer); an earlier reply loses its reasoning (the text up to "|")."""
     out: list[int] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = _chars(m["content"])
-        if merge == "start" and m["role"] == "assistant" and m["content"].startswith("S"):
+        last = i == len(messages) - 1
+        if merge == "drops" and m["role"] == "assistant" and not last:
+            out += [START, ASSISTANT]
+        elif merge == "reasoning" and m["role"] == "assistant":
+            reasoning, _, answer = m["content"].rpartition("|")
+            body = [THINK, *_chars(reasoning), END_THINK] if last and not generation_prompt else []
+            out += [START, ASSISTANT, *body, *_chars(answer)]
+        elif merge == "start" and m["role"] == "assistant" and m["content"].startswith("S"):
             out += [START, 500 + content[0]] + content[1:]
         elif merge == "end" and m["role"] == "assistant" and m["content"].endswith("1"):
             out += [START, ASSISTANT, *content[:-1], 600]
@@ -364,7 +349,8 @@ def _render(messages: list[dict], generation_prompt: bool, merge: str | None = N
         out += [END, NL]
     if merge == "changed" and not generation_prompt and messages[-1]["role"] == "assistant":
         out.append(77)  # the last reply rendered otherwise than where more follows it
-    return out + ([START, ASSISTANT] if generation_prompt else [])
+    opens = [START, ASSISTANT, THINK] if merge == "reasoning" else [START, ASSISTANT]
+    return out + (opens if generation_prompt else [])
 
 
 class _TemplateServer:
@@ -403,7 +389,7 @@ def _reply_turn(index: int, text: str, ids: list[int]):  # type: ignore[no-untyp
 
     return Turn.model_construct(
         index=index, completion=text, completion_token_ids=ids, logprobs=[-0.5] * len(ids), trainable=True,
-        policy_version=None, policy_version_end=None,
+        policy_version=None, policy_version_end=None, finish_reason="stop" if ids and ids[-1] == END else "length",
     )  # fmt: skip
 
 
@@ -485,35 +471,89 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
     assert server.texts == [reply] * (3 * texts_per_turn)
 
 
-def test_a_template_that_renders_the_conversation_so_far_otherwise_cuts_and_is_no_continuation():
-    """The third way is the one that sees a template render the conversation so far otherwise once more
-    follows it: the turn begins a segment, cut as template_changed, and is not counted as a turn that
-    went on. Break tried: `continued` set before the cut -> "rendered_apart", fails."""
+def _three_turns(merge: str, replies: list[str], end_sampled: bool) -> tuple[list, list, list, _TemplateServer]:
+    """Three prompts of one builder on the stand-in template `merge` (the model sampled `replies`, each
+    token a character, with the end-of-turn token after each where `end_sampled`): the prompts, how each
+    went on, the segments, and the stand-in (its renders)."""
     import asyncio
 
     from inference.replicas import ReplicaPool
     from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
 
-    server = _TemplateServer("changed")
-    opening = [{"role": "user", "content": "task"}]
-    conversation = [*opening, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "ok"}]
+    server = _TemplateServer(merge)
+    conversation: list[dict] = [{"role": "user", "content": "task"}]
 
-    async def go() -> tuple[TrajectoryBuilder, list[int]]:
+    async def go() -> tuple[list, list, list]:
         client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
         try:
             renderer = TemplateRenderer(client, "m")
-            assert await renderer.supported("g")
+            assert await renderer.supported("g"), renderer.unsupported
             builder = TrajectoryBuilder(renderer, "g")
-            await builder.prompt(opening)
-            builder.record(_reply_turn(0, "hi", _chars("hi")))
-            return builder, await builder.prompt(conversation)
+            prompts, how = [list(await builder.prompt(conversation))], [builder.continued]
+            for i, reply in enumerate(replies):
+                builder.record(_reply_turn(i, reply, _chars(reply) + ([END] if end_sampled else [])))
+                conversation.extend([{"role": "assistant", "content": reply}, {"role": "user", "content": f"ok{i}"}])
+                prompts.append(list(await builder.prompt(conversation)))
+                how.append(builder.continued)
+            return prompts, how, builder.segments
         finally:
             await client.aclose()
 
-    builder, ids = asyncio.run(go())
-    assert ids == _render(conversation, True, "changed")
-    assert builder.continued is None
-    assert [s.cut for s in builder.segments] == [None, "template_changed"]
+    prompts, how, segments = asyncio.run(go())
+    return prompts, how, segments, server
+
+
+@pytest.mark.parametrize("end_sampled", [True, False])
+def test_a_reasoning_template_keeps_the_sampled_tokens_and_appends_the_new_part(end_sampled):
+    """A template that drops earlier reasoning from history and opens a reasoning block in the generation
+    prompt: a fresh render is not what the model saw. Each prompt is the previous one, the completion as
+    sampled (reasoning included), the end of turn where the model did not sample it, then the template's
+    render of the env's new message and the generation prompt; one segment, marked appended. The oracle
+    is the stand-in template itself, asked for the new message alone. Breaks tried: the end-of-turn token
+    kept where the model sampled it -> END twice, fails; `prompts` left "rendered" -> fails."""
+    replies = ["think|a1", "more|a2"]
+    prompts, how, segments, server = _three_turns("reasoning", replies, end_sampled)
+    expected = _render([{"role": "user", "content": "task"}], True, "reasoning")
+    assert prompts[0] == expected
+    for i, reply in enumerate(replies):
+        new = _render([{"role": "user", "content": f"ok{i}"}], True, "reasoning")
+        expected = expected + _chars(reply) + [END, NL] + new  # END: sampled or appended, once either way
+        assert prompts[i + 1] == expected, i
+        fresh = _render(
+            [{"role": "user", "content": "task"}]
+            + [m for j, r in enumerate(replies[: i + 1]) for m in ({"role": "assistant", "content": r},
+                                                               {"role": "user", "content": f"ok{j}"})],
+            True, "reasoning",
+        )  # fmt: skip
+        assert prompts[i + 1] != fresh  # what re-rendering would have sent instead
+    assert how == [None, "appended", "appended"]
+    assert len(segments) == 1 and segments[0].prompts == "appended" and segments[0].cut is None
+    # No render of the whole conversation once appending: the opening, the probe's four, one per turn.
+    assert all(n <= 4 for n, _ in server.renders[4:]), server.renders
+
+
+def test_a_template_that_renders_the_conversation_so_far_otherwise_goes_on_appended():
+    """The third way sees a template render the conversation so far otherwise once more follows it: the
+    segment keeps its tokens and appends the new part from then on, marked appended. Break tried: the
+    fallback to `_appended` removed -> a template_changed cut, fails."""
+    prompts, how, segments, _ = _three_turns("changed", ["hi", "yo"], end_sampled=False)
+    opened = _render([{"role": "user", "content": "task"}], True)
+    second = opened + _chars("hi") + [END, NL] + _render([{"role": "user", "content": "ok0"}], True)
+    assert prompts[1] == second
+    assert prompts[2] == second + _chars("yo") + [END, NL] + _render([{"role": "user", "content": "ok1"}], True)
+    assert how == [None, "appended", "appended"]
+    assert [(s.cut, s.prompts) for s in segments] == [(None, "appended")]
+
+
+def test_a_template_whose_new_part_cannot_be_read_cuts_and_is_no_continuation():
+    """A template that drops an earlier reply's content renders neither the whole conversation nor the
+    new messages after a known reply: the turn begins a segment, cut as template_changed, and is not
+    counted as a turn that went on. Break tried: `continued` set before the cut -> fails."""
+    prompts, how, segments, _ = _three_turns("drops", ["hi"], end_sampled=False)
+    conversation = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "hi"}]
+    assert prompts[1] == _render([*conversation, {"role": "user", "content": "ok0"}], True, "drops")
+    assert how == [None, None]
+    assert [(s.cut, s.prompts) for s in segments] == [(None, "rendered"), ("template_changed", "rendered")]
 
 
 def test_a_failed_opening_render_fails_only_the_attempt_that_asked():

@@ -45,9 +45,10 @@ class Metrics:
 
         self.continuations = Counter(
             "rollout_exact_continuations",
-            "Exact turns that went on from their segment, by how the env's new tokens were found in the render"
-            " of the whole conversation: after the ids sampled, after the reply's text tokenized on its own, or"
-            " by a render of the conversation so far",
+            "Exact turns that went on from their segment, by how the env's new tokens were found: in the render"
+            " of the whole conversation after the ids sampled, after the reply's text tokenized on its own, or"
+            " by a render of the conversation so far; or appended, the template's render of the new messages"
+            " alone (a template that renders history otherwise, as reasoning models' do)",
             ["how"],
             registry=r,
         )

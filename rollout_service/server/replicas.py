@@ -222,4 +222,8 @@ def token_prompts(route: ModelRoute) -> str:
         return "no: token-ids=false"
     if route.renderer.unsupported:
         return f"no: {route.renderer.unsupported}"
-    return "yes" if route.renderer.end_of_turn is not None else "not yet probed"
+    if route.renderer.end_of_turn is not None:
+        return "yes"
+    if route.renderer.appends:  # a reasoning template: every segment goes on by appending
+        return "yes: the chat template renders history otherwise, so segments keep their tokens (appended)"
+    return "not yet probed"

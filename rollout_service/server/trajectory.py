@@ -7,6 +7,15 @@ messages), each completion's own ids are appended, and of what the env adds late
 part is taken: the chat template's render of the whole conversation, read on from its previous
 render past the last reply as the template tokenized it (TrajectoryBuilder._continuation says the
 three ways that is found), which is the same for both.
+
+Some templates render the conversation so far otherwise once more follows it: reasoning models'
+(Qwen3's, DeepSeek-R1's) drop an earlier turn's reasoning from history, or wrap only the last reply in
+a reasoning block, or open one in the generation prompt. A fresh render would then not be what the
+model saw, so the segment keeps the tokens it holds (the prompt, each completion exactly as sampled,
+reasoning included) and appends only the template's render of what is new: the end of the assistant
+turn where the model did not sample it, the env's new messages and the generation prompt, read from
+the render of a fixed two-message conversation followed by the new messages
+(TemplateRenderer.new_part). The segment says so (`prompts: "appended"`).
 """
 
 from __future__ import annotations
@@ -26,10 +35,12 @@ from ..protocol import CutReason, Segment, Turn, TurnSpan
 # A tiny conversation whose render shows what the template puts after an assistant's content.
 _PROBE_USER = {"role": "user", "content": "a"}
 _PROBE_REPLY = "b"
+_PROBE_ANCHOR = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
+_PROBE_NEXT = {"role": "user", "content": "c"}
 _DECAY = 0.97  # _Odds: a try weighs about as much as the ~30 before it in all
 # Openings kept at most: more groups at once than this re-render theirs now and then.
 _MAX_OPENINGS = 8192
-Continuation = Literal["from_samples", "from_reply", "rendered_apart"]
+Continuation = Literal["from_samples", "from_reply", "rendered_apart", "appended"]
 # A segment's opening render: its ids (their JSON written once for the group's attempts), and the
 # same as vLLM's JSON array where the answer had its shape.
 Opening = tuple[JsonList, bytes | None]
@@ -71,12 +82,19 @@ class TemplateRenderer:
 
     `end_of_turn` is what the template appends after an assistant message's content (`<|im_end|>\\n`
     for ChatML), learnt once by rendering a probe conversation; a completion that stopped on the
-    first of those tokens has already sampled it."""
+    first of those tokens has already sampled it. It is None for a template that renders the last
+    assistant message apart from the generation prompt and content (a reasoning template): its
+    segments are always `appended`."""
 
     client: ReplicaPool
     model: str
     end_of_turn: list[int] | None = None
+    # Whether the template's render of new messages after an assistant turn can be read apart
+    # (`new_part`): set by the probe; `_anchor_ids` is the reply's place in that render.
+    appends: bool = False
     unsupported: str | None = None  # why token prompts cannot be used, once known
+    _reply_ids: list[int] = field(default_factory=list)
+    _anchor_from: int = 0
     _probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # How often a reply tokenized alone is what the template makes of it in place (_continuation's 2).
     replies_alone: _Odds = field(default_factory=_Odds)
@@ -87,19 +105,20 @@ class TemplateRenderer:
     async def supported(self, affinity: str | None = None) -> bool:
         """Whether the server takes token prompts; probes once. Transport failures raise (and are not
         remembered: the next attempt probes again)."""
-        if self.end_of_turn is not None or self.unsupported is not None:
+        if self.end_of_turn is not None or self.appends or self.unsupported is not None:
             return self.unsupported is None
         async with self._probe_lock:
-            if self.end_of_turn is None and self.unsupported is None:
+            if self.end_of_turn is None and not self.appends and self.unsupported is None:
                 await self._probe(affinity)
         return self.unsupported is None
 
     async def _probe(self, affinity: str | None) -> None:
         try:
-            prompt, whole, reply = await asyncio.gather(
+            prompt, whole, reply, following = await asyncio.gather(
                 self.render([_PROBE_USER], True, affinity),
-                self.render([_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}], False, affinity),
+                self.render(_PROBE_ANCHOR, False, affinity),
                 self.tokens_of(_PROBE_REPLY, affinity),
+                self.render([*_PROBE_ANCHOR, _PROBE_NEXT], True, affinity),
             )
             # The completions route must take the ids and give back ids and logprobs.
             answer = await self.client.complete(
@@ -118,15 +137,30 @@ class TemplateRenderer:
         ):
             self.unsupported = "its /v1/completions does not return the token ids and logprobs"
             return
+        # Where the render of new messages after an assistant turn begins: after the reply, found past
+        # what the anchor's render shares with the first prompt (the user's message and the assistant's
+        # opening, less a reasoning block the generation prompt may open).
+        self._reply_ids = reply
+        self._anchor_from = _shared(prompt, following)
+        self.appends = _after(following, reply, self._anchor_from) is not None
         body = whole[len(prompt) :]
-        if whole[: len(prompt)] != prompt or body[: len(reply)] != reply or len(body) == len(reply):
+        if whole[: len(prompt)] == prompt and body[: len(reply)] == reply and len(body) > len(reply):
+            self.end_of_turn = body[len(reply) :]
+        elif not self.appends:
             self.unsupported = (
-                "the chat template does not render an assistant message as the generation prompt, the content "
-                "and end-of-turn tokens (e.g. a template that renders the last assistant message apart, as "
-                "Qwen3's thinking template does): this service cannot continue its conversations token by token"
+                "the chat template renders an assistant message in a conversation without its content as "
+                "sampled, so neither a render of the whole conversation nor of the new messages alone can "
+                "continue it token by token. Send tokens=chat (turns as messages, no trajectory), or serve the "
+                "model with a chat template that keeps an assistant message's content in history"
             )
-            return
-        self.end_of_turn = body[len(reply) :]
+
+    async def new_part(self, new: list[dict], affinity: str | None) -> list[int] | None:
+        """The template's render of `new` (the env's messages after an assistant turn) and the generation
+        prompt, with the end of that assistant turn first: read from the render of the probe's
+        conversation followed by `new`. None where that render no longer shows the probe's reply (a
+        template that renders history by what follows it): no continuation is known."""
+        following = await self.render([*_PROBE_ANCHOR, *new], True, affinity)
+        return _after(following, self._reply_ids, self._anchor_from)
 
     async def opening(self, messages: list[dict], affinity: str | None) -> Opening:
         """The render of `messages` and the generation prompt that opens a segment, shared with the
@@ -197,7 +231,11 @@ class TrajectoryBuilder:
     # tokenizes them, not as sampled), as vLLM's JSON array: where the next render is read on from.
     _rendered: bytes | None = None
     _stopped_on_end_of_turn: bool = False
+    _ended_on: int | None = None
     _cut_next: tuple[CutReason, str] | None = None
+    # The open segment went on by appending (`TemplateRenderer.new_part`): its tokens are no longer the
+    # template's render of the conversation, so it goes on so to its end.
+    _appending: bool = False
 
     async def prompt(self, messages: list[dict]) -> list[int]:
         """The next turn's prompt ids for the env's `messages`: the open segment's own list (not a copy;
@@ -218,6 +256,7 @@ class TrajectoryBuilder:
                     self._covered = list(messages)
                     return token_ids
         token_ids, self._rendered = await self.renderer.opening(messages, self.affinity)
+        self._appending = self.renderer.end_of_turn is None
         loss_mask, logprobs = JsonList(), JsonList()
         loss_mask.repeat(0, len(token_ids))
         logprobs.repeat(None, len(token_ids))
@@ -230,6 +269,7 @@ class TrajectoryBuilder:
                 turns=[],  # given: pydantic inspects a default factory's signature on each call
                 cut=cut[0] if cut else None,
                 cut_detail=cut[1] if cut else None,
+                prompts="rendered",
             )
         )
         self._covered = list(messages)
@@ -247,10 +287,13 @@ class TrajectoryBuilder:
         2. else the reply's text tokenized on its own (a short /tokenize; not asked while it seldom
            holds for this template and model: `_Odds`);
         3. else the conversation so far rendered apart (a /tokenize of the whole length), which also
-           tells a template that renders it differently once more follows (a cut).
+           tells a template that renders it differently once more follows: then the tokens held are
+           kept and only the new part appended (`_appended`), or, where that cannot be read, a cut.
         The first two read the answer's bytes after the last render's (TokenizeAnswer.after): the ids
         known already are not decoded again. A server that does not write vLLM's compact JSON, or a
         template whose generation prompt joins the reply's first token, gets the third."""
+        if self._appending:
+            return await self._appended(messages), None
         assert self._covered is not None and self.renderer.end_of_turn is not None
         end = self.renderer.end_of_turn
         bridge = end[1:] if self._stopped_on_end_of_turn else end
@@ -275,6 +318,8 @@ class TrajectoryBuilder:
         whole = answer.ids()
         base = await self.renderer.render(self._covered, False, self.affinity)
         if not _holds(whole, base, 0) or base[len(base) - len(end) :] != end:
+            if self.renderer.appends:  # kept as held, the new part appended
+                return await self._appended(messages), None
             cut: tuple[CutReason, str] = (
                 "template_changed",
                 "the chat template renders the conversation so far differently once the new messages follow it",
@@ -282,6 +327,23 @@ class TrajectoryBuilder:
             return cut, None
         self.continued = "rendered_apart"
         return bridge + whole[len(base) :], answer.array
+
+    async def _appended(self, messages: list[dict]) -> list[int] | tuple[CutReason, str]:
+        """The tokens that follow the last completion where the template's render of the whole
+        conversation does not: the template's render of the env's new messages, with the end of the
+        assistant turn first (less its first token where the model sampled it) and the generation
+        prompt last. The segment is marked `appended` from here on."""
+        assert self._covered is not None
+        part = await self.renderer.new_part(messages[len(self._covered) :], self.affinity)
+        if not part:
+            return (
+                "template_changed",
+                "the chat template renders the conversation so far differently once the new messages follow it, "
+                "and its render of the new messages cannot be read apart",
+            )
+        self._appending, self.continued = True, "appended"
+        self.segments[-1].prompts = "appended"
+        return part[1:] if self._ended_on == part[0] else part
 
     def _open_arrays(self) -> tuple[JsonList, JsonList, JsonList]:
         """The open segment's token_ids, loss_mask and logprobs: JsonLists (prompt() made them so),
@@ -316,11 +378,32 @@ class TrajectoryBuilder:
             )
         )
         turn.segment = len(self.segments) - 1
+        # The token a completion stopped on, where it sampled one (its EOS): a completion cut at max_tokens
+        # may end on the same token as content ("\n"), which is not the end of its turn.
+        self._ended_on = ids[-1] if ids and turn.finish_reason == "stop" else None
         end = self.renderer.end_of_turn or []
-        self._stopped_on_end_of_turn = bool(ids) and bool(end) and ids[-1] == end[0]
+        self._stopped_on_end_of_turn = bool(end) and self._ended_on == end[0]
         self._covered = [*self._covered, {"role": "assistant", "content": turn.completion}]
         if stopped_on_string:
             self._cut_next = ("stop_string", f"turn {turn.index} ended on a stop string")
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many ids `a` and `b` begin with alike."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _after(ids: list[int], part: list[int], start: int) -> list[int] | None:
+    """What follows the first `part` in `ids` from `start` on (None: not there, or nothing follows)."""
+    for at in range(start, len(ids) - len(part)):
+        if _holds(ids, part, at):
+            return ids[at + len(part) :]
+    return None
 
 
 def _holds(ids: list[int], part: list[int], at: int) -> bool:

@@ -107,12 +107,16 @@ def launch_embedded_vllm(
     kv_cache_gib: int = 4,
     eager: bool = False,
     die_with_parent: bool = False,
+    extra: list[str] | None = None,
 ) -> ManagedProcess:
     """start_embedded_vllm without the wait: the process is started, not yet answering (its start-up
-    can overlap other work; poll /v1/models before use)."""
+    can overlap other work; poll /v1/models before use). `extra`: more of vLLM's flags."""
     model_dir = embedded_model.prepare()
     cmd = local_server.vllm_command(
-        model_dir, served_name=embedded_model.MODEL_NAME, port=port, extra=["--enforce-eager"] if eager else None
+        model_dir,
+        served_name=embedded_model.MODEL_NAME,
+        port=port,
+        extra=[*(["--enforce-eager"] if eager else []), *(extra or [])],
     )
     env = local_server.vllm_environment(kv_cache_gib=kv_cache_gib)
     proc = ManagedProcess(name, cmd, log_path, env, die_with_parent=die_with_parent, port=port)
@@ -133,6 +137,7 @@ def start_embedded_vllm(
     eager: bool = False,
     progress: Callable[[float], None] | None = None,
     timeout_s: float = 900,
+    extra: list[str] | None = None,
 ) -> ManagedProcess:
     """The embedded default model (prepared once) on a local vLLM at loopback `port`, started and
     answering /v1/models (its port in `.port`): the one launcher the stack, the tests and the benchmarks use.
@@ -142,7 +147,9 @@ def start_embedded_vllm(
     use) another is picked, up to VLLM_PORT_TRIES times."""
     for attempt in range(1, VLLM_PORT_TRIES + 1):
         log_start = log_path.stat().st_size if log_path.exists() else 0
-        proc = launch_embedded_vllm(port or free_port(), log_path, name=name, kv_cache_gib=kv_cache_gib, eager=eager)
+        proc = launch_embedded_vllm(
+            port or free_port(), log_path, name=name, kv_cache_gib=kv_cache_gib, eager=eager, extra=extra
+        )
         try:
             proc.wait_http(f"{proc.url}/v1/models", timeout_s=timeout_s, progress=progress)
             return proc
