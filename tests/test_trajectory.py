@@ -314,8 +314,8 @@ def test_a_server_without_token_prompts_gets_chat(start_refenv, start_service, s
 # ChatML-like, one id per character; its own log of /tokenize calls is the oracle for how many
 # renders a turn cost, and `render` below (the template, written apart from the code under test) for
 # the ids.
-START, END, NL, ASSISTANT, USER, THINK, END_THINK = 1, 2, 3, 4, 5, 6, 7
-ROLES = {"assistant": ASSISTANT, "user": USER}
+START, END, NL, ASSISTANT, USER, THINK, END_THINK, SYSTEM, TOOL = 1, 2, 3, 4, 5, 6, 7, 8, 9
+ROLES = {"assistant": ASSISTANT, "user": USER, "system": SYSTEM, "tool": TOOL}
 
 
 def _chars(text: str) -> list[int]:
@@ -329,7 +329,13 @@ def _render(messages: list[dict], generation_prompt: bool, merge: str | None = N
     "changed": a conversation that ends with a reply gets a token more. "drops": a reply with more
     after it is rendered without its content. "reasoning" (as Qwen3's and DeepSeek-R1's): the generation
     prompt opens a reasoning block (THINK); the last reply is rendered inside one (THINK, its reasoning,
-    END_THINK, its answer); an earlier reply loses its reasoning (the text up to "|")."""
+    END_THINK, its answer); an earlier reply loses its reasoning (the text up to "|"). "hoisting": as
+    "reasoning", and every system message is rendered first, wherever it stands (as R1's template does).
+    "tool_calls": as "reasoning" (the stand-in server refuses a tool message after a reply without a call)."""
+    if merge == "hoisting":
+        messages = [m for m in messages if m["role"] == "system"] + [m for m in messages if m["role"] != "system"]
+    if merge in ("hoisting", "tool_calls"):
+        merge = "reasoning"
     out: list[int] = []
     for i, m in enumerate(messages):
         content = _chars(m["content"])
@@ -368,6 +374,11 @@ class _TemplateServer:
                 return httpx.Response(503, json={"error": {"message": "busy"}})
             if "messages" in body:
                 self.renders.append((len(body["messages"]), body["add_generation_prompt"]))
+                pairs = zip(body["messages"], body["messages"][1:], strict=False)
+                after = [prev for prev, m in pairs if m["role"] == "tool"]
+                if self.merge == "tool_calls" and any(not prev.get("tool_calls") for prev in after):
+                    # A template that ties a tool message to the call before it (as gpt-oss's does).
+                    return httpx.Response(400, json={"error": {"message": "tool message without a tool call"}})
                 ids = _render(body["messages"], body["add_generation_prompt"], self.merge)
             else:
                 self.texts.append(body["prompt"])
@@ -554,6 +565,49 @@ def test_a_template_whose_new_part_cannot_be_read_cuts_and_is_no_continuation():
     assert prompts[1] == _render([*conversation, {"role": "user", "content": "ok0"}], True, "drops")
     assert how == [None, None]
     assert [(s.cut, s.prompts) for s in segments] == [(None, "rendered"), ("template_changed", "rendered")]
+
+
+@pytest.mark.parametrize(
+    ("merge", "new"),
+    [
+        # R1 hoists a system message to the very start; its text holds a "b" of its own.
+        ("hoisting", [{"role": "system", "content": "Pick b) or c)"}, {"role": "user", "content": "next"}]),
+        # The template refuses a tool message after a reply that made no tool call (400).
+        ("tool_calls", [{"role": "tool", "content": "b rows"}]),
+    ],
+)
+def test_new_messages_a_template_renders_elsewhere_or_refuses_cut_the_segment(merge, new):
+    """Where the new messages are not rendered after the reply (moved before it) or the template refuses
+    them after the probe's reply, nothing is appended: the turn opens a new segment, rendered fresh,
+    cut as template_changed. Breaks tried: new_part's head check dropped -> the probe's own
+    conversation is appended after the "b" in the system text; the refusal not caught -> the turn
+    raises InferenceRejected (the attempt fails)."""
+    import asyncio
+
+    from inference.replicas import ReplicaPool
+    from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
+
+    server = _TemplateServer(merge)
+    opening = [{"role": "user", "content": "task"}]
+
+    async def go() -> tuple[TrajectoryBuilder, list[int]]:
+        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
+        try:
+            renderer = TemplateRenderer(client, "m")
+            assert await renderer.supported("g"), renderer.unsupported
+            builder = TrajectoryBuilder(renderer, "g")
+            await builder.prompt(opening)
+            builder.record(_reply_turn(0, "hi", _chars("hi") + [END]))
+            conversation = [*opening, {"role": "assistant", "content": "hi", "tool_calls": [{"id": "1"}]}, *new]
+            return builder, list(await builder.prompt(conversation))
+        finally:
+            await client.aclose()
+
+    builder, ids = asyncio.run(go())
+    assert [s.cut for s in builder.segments] == [None, "template_changed"]
+    assert builder.continued is None
+    conversation = [*opening, {"role": "assistant", "content": "hi", "tool_calls": [{"id": "1"}]}, *new]
+    assert ids == _render(conversation, True, merge)  # the new segment: the template's own render
 
 
 def test_a_failed_opening_render_fails_only_the_attempt_that_asked():

@@ -36,6 +36,9 @@ from ..protocol import CutReason, Segment, Turn, TurnSpan
 _PROBE_USER = {"role": "user", "content": "a"}
 _PROBE_REPLY = "b"
 _PROBE_ANCHOR = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
+# The anchor again with another one-token reply: where its render differs from the anchor's is the
+# reply's place, whatever the new messages hold (a "b" of their own, say).
+_PROBE_ANCHOR_OTHER = [_PROBE_USER, {"role": "assistant", "content": "d"}]
 _PROBE_NEXT = {"role": "user", "content": "c"}
 _DECAY = 0.97  # _Odds: a try weighs about as much as the ~30 before it in all
 # Openings kept at most: more groups at once than this re-render theirs now and then.
@@ -93,8 +96,10 @@ class TemplateRenderer:
     # (`new_part`): set by the probe; `_anchor_ids` is the reply's place in that render.
     appends: bool = False
     unsupported: str | None = None  # why token prompts cannot be used, once known
-    _reply_ids: list[int] = field(default_factory=list)
-    _anchor_from: int = 0
+    # What every render of the anchor followed by new messages must begin with: the render of the
+    # anchor's first message as it opens the first prompt (a template that moves a new message before
+    # it, as R1's hoists a system message, renders no continuation).
+    _anchor_head: list[int] = field(default_factory=list)
     _probe_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # How often a reply tokenized alone is what the template makes of it in place (_continuation's 2).
     replies_alone: _Odds = field(default_factory=_Odds)
@@ -137,12 +142,11 @@ class TemplateRenderer:
         ):
             self.unsupported = "its /v1/completions does not return the token ids and logprobs"
             return
-        # Where the render of new messages after an assistant turn begins: after the reply, found past
-        # what the anchor's render shares with the first prompt (the user's message and the assistant's
+        # Whether the render of new messages after an assistant turn can be read apart (new_part): the
+        # anchor's render must begin as the first prompt does (the user's message and the assistant's
         # opening, less a reasoning block the generation prompt may open).
-        self._reply_ids = reply
-        self._anchor_from = _shared(prompt, following)
-        self.appends = _after(following, reply, self._anchor_from) is not None
+        self._anchor_head = prompt[: _shared(prompt, following)]
+        self.appends = len(reply) == 1 and await self.new_part([_PROBE_NEXT], affinity) is not None
         body = whole[len(prompt) :]
         if whole[: len(prompt)] == prompt and body[: len(reply)] == reply and len(body) > len(reply):
             self.end_of_turn = body[len(reply) :]
@@ -156,11 +160,28 @@ class TemplateRenderer:
 
     async def new_part(self, new: list[dict], affinity: str | None) -> list[int] | None:
         """The template's render of `new` (the env's messages after an assistant turn) and the generation
-        prompt, with the end of that assistant turn first: read from the render of the probe's
-        conversation followed by `new`. None where that render no longer shows the probe's reply (a
-        template that renders history by what follows it): no continuation is known."""
-        following = await self.render([*_PROBE_ANCHOR, *new], True, affinity)
-        return _after(following, self._reply_ids, self._anchor_from)
+        prompt, with the end of that assistant turn first: what follows the reply in the render of the
+        probe's conversation followed by `new`, the reply found where that render and the one with
+        another reply differ. None where no continuation is known: the renders do not begin with the
+        anchor's head (a new message moved before it), differ elsewhere or otherwise than in one token,
+        nothing follows the reply, or the template refuses the conversation (a tool message its template
+        ties to a tool call the anchor's reply has not made)."""
+        try:
+            one, other = await asyncio.gather(
+                self.render([*_PROBE_ANCHOR, *new], True, affinity),
+                self.render([*_PROBE_ANCHOR_OTHER, *new], True, affinity),
+            )
+        except InferenceError as exc:
+            if isinstance(exc, BadInferenceResponse) or exc.status in _DEFINITIVE:
+                return None
+            raise
+        head = self._anchor_head
+        if len(one) != len(other) or one[: len(head)] != head:
+            return None
+        differ = [at for at in range(len(head), len(one)) if one[at] != other[at]]
+        if len(differ) != 1 or differ[0] == len(one) - 1:
+            return None
+        return one[differ[0] + 1 :]
 
     async def opening(self, messages: list[dict], affinity: str | None) -> Opening:
         """The render of `messages` and the generation prompt that opens a segment, shared with the
@@ -396,14 +417,6 @@ def _shared(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def _after(ids: list[int], part: list[int], start: int) -> list[int] | None:
-    """What follows the first `part` in `ids` from `start` on (None: not there, or nothing follows)."""
-    for at in range(start, len(ids) - len(part)):
-        if _holds(ids, part, at):
-            return ids[at + len(part) :]
-    return None
 
 
 def _holds(ids: list[int], part: list[int], at: int) -> bool:
