@@ -36,8 +36,8 @@ import argparse
 import ast
 import contextlib
 import importlib
-import io
 import inspect
+import io
 import json
 import os
 import re
