@@ -10,8 +10,8 @@ A fenced block's info string says what it is, and that decides what is done with
   the service (`"error":`), since curl exits 0 on a 4xx.
 - `yaml`: a Ray deployment file (the only YAML the docs show): validated by `ClusterConfig`.
 - `json`: parsed (a leading `METHOD /path` is an HTTP sketch: the JSON is what follows it); a
-  request is validated by its model (`GroupRequest`, or `SampleRequest` for a sample); an answer
-  (abridged, with `…`) only parsed.
+  request is validated by its model (`GroupRequest`, or `SampleRequest` for a sample); a returned
+  group (abridged, with `…`) has its keys checked against `GroupResult`, nested models included.
 - `text`: a diagram, a tree or an HTTP sketch: not code, listed.
 A block without an info string fails the test: its author decides which of these it is.
 
@@ -44,15 +44,17 @@ import re
 import shlex
 import subprocess
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from refenv import cli as refenv_cli
 from rollout_service.cluster.config import ClusterConfig
-from rollout_service.protocol import GroupRequest
+from rollout_service.protocol import GroupRequest, GroupResult
 from rollout_service.sampler_protocol import SampleRequest
 from rollout_service.tools import cli as service_cli
 
@@ -117,7 +119,7 @@ def test_every_block_says_what_it_is_and_why_it_is_skipped():
     assert not marked_not_code, f"only python and sh blocks are run, so only they can be skipped: {marked_not_code}"
     ran = [s for s in ALL if s.kind in RUN and not s.skip]
     skipped = [s for s in ALL if s.skip]
-    assert len(ran) >= 8, "most of the docs' code runs: a rule that skipped everything would pass otherwise"
+    assert len(ran) >= 8, "the docs' trainer code runs: a rule that skipped everything would pass otherwise"
     print(f"\n{len(ran)} blocks run, {len(skipped)} skipped:")
     for s in skipped:
         print(f"  {s.where} ({s.kind}): {s.skip}")
@@ -256,6 +258,29 @@ def test_every_command_and_call_is_accepted(snippet):
     assert not problems, "\n".join(problems)
 
 
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _unknown_keys(value: object, model: type[BaseModel], path: str) -> list[str]:
+    if isinstance(value, list):
+        return [k for item in value for k in _unknown_keys(item, model, f"{path}[]")]
+    if not isinstance(value, dict):
+        return []
+    fields = {info.alias or name: info for name, info in model.model_fields.items()}
+    unknown = []
+    for key, item in value.items():
+        if key == "…":
+            continue
+        if key not in fields:
+            unknown.append(f"{path}.{key}")
+        elif nested := _models_in(fields[key].annotation):
+            unknown += _unknown_keys(item, nested[0], f"{path}.{key}")
+    return unknown
+
+
 def _json_body(code: str) -> object:
     sketch = re.match(r"\s*[A-Z]+ /\S*\s", code)
     return json.loads(code[sketch.end() :] if sketch else code)
@@ -267,7 +292,11 @@ def test_json_blocks_parse_and_group_requests_are_valid(snippet):
         body = _json_body(snippet.code)
     except json.JSONDecodeError:
         pytest.fail(f"{snippet.where}: not JSON (an abridged answer is `text`)")
-    if not isinstance(body, dict) or "attempts" in body:  # an answer: its fields are the HTTP API page's
+    if not isinstance(body, dict):
+        return
+    if "attempts" in body:  # a returned group, abridged (`…`): its values are not checked, its keys are
+        unknown = _unknown_keys(body, GroupResult, "group")
+        assert not unknown, f"{snippet.where}: no such field: {unknown}"
         return
     if re.match(r"\s*POST /groups/sample\s", snippet.code) or "count" in body:
         SampleRequest.model_validate(body)
@@ -303,6 +332,7 @@ def _run_block(snippet: Snippet, url: str, cwd: Path) -> subprocess.CompletedPro
 RUN_PAGES = sorted({s.page for s in ALL if s.kind in RUN and not s.skip})
 
 
+@pytest.mark.early  # minutes of CPU training and generation: started late, the other workers would wait for it
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_pages_snippets_run_against_the_service(page, start_refenv, start_service, tmp_path):
     env = start_refenv("--pool", "8")
