@@ -22,12 +22,19 @@ without running it: Python is compiled and every keyword a call passes to a call
 name is checked against its signature; every `rollout-service` and `refenv` command line, and every
 `python bench/*.py` or `python examples/*.py` one, is parsed by the program's own parser (`[...]`
 optional parts and `...` placeholders left out), so a renamed parameter or flag fails here too.
+So is a command named in the prose (`rollout-service ray up` in backticks): its subcommands and
+flags must exist. The list of skipped blocks, with their reasons, is printed (`pytest -rA` shows it).
 
 The URL rule: snippets are written for the service at `http://127.0.0.1:8080`, as a reader runs it;
 the runner replaces `127.0.0.1:8080` and `localhost:8080` with the test's service before it runs a
 block, and sets `ROLLOUT_URL` to that service's URL. Nothing else in a block is changed.
 
 Keep runnable snippets small (n, max_tokens, max_turns, steps) so this file stays within minutes.
+
+Breaks tried: `RolloutClient(key_file=)` renamed (the security page's block fails to run, and the
+call check names it); `token_batch`'s `old_logprobs` key renamed (the trainer page's block fails);
+the sampler example's families named after refenv's categories again (404 `unknown_family`);
+`rollout-service stack` in the prose, `serve --envs` in a block (refused by the parser).
 """
 
 from __future__ import annotations
