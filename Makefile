@@ -46,7 +46,7 @@ lint: setup
 
 # The docs site (mkdocs.yml, docs/): the HTTP API and configuration pages' tables from the code
 # (scripts/gen_docs.py), the benchmark tables from bench/results/*.json (bench/render.py), both into
-# docs/generated/ (committed: `make test` fails while they differ from what these write), then a
+# docs/generated/ (committed: `make test` fails while the committed ones differ from these), then a
 # strict build, so a broken link or a missing page fails `make test`. The site goes to site/.
 docs: setup
 	$(BIN)/python scripts/gen_docs.py
