@@ -351,7 +351,11 @@ def test_the_pages_snippets_run_against_the_service(page, start_refenv, start_se
     for snippet in snippets(page):
         if snippet.kind not in RUN or snippet.skip:
             continue
-        done = _run_block(snippet, service.url, tmp_path)
+        try:
+            done = _run_block(snippet, service.url, tmp_path)
+        except subprocess.TimeoutExpired as exc:
+            said = b"".join(x if isinstance(x, bytes) else (x or "").encode() for x in (exc.stdout, exc.stderr))
+            pytest.fail(f"{snippet.where} ran past {BLOCK_TIMEOUT_S} s:\n{said.decode(errors='replace')[-4000:]}")
         output = (done.stdout + done.stderr)[-4000:]
         assert done.returncode == 0, f"{snippet.where} exited {done.returncode}:\n{output}"
         assert '"error":' not in done.stdout, f"{snippet.where} printed an error of the service:\n{output}"
