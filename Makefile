@@ -45,7 +45,8 @@ lint: setup
 	$(BIN)/mypy
 
 # The docs site (mkdocs.yml, docs/): the HTTP API and configuration pages' tables from the code
-# (scripts/gen_docs.py), the benchmark tables from bench/results/*.json (bench/render.py), then a
+# (scripts/gen_docs.py), the benchmark tables from bench/results/*.json (bench/render.py), both into
+# docs/generated/ (committed: `make test` fails while the committed ones differ from these), then a
 # strict build, so a broken link or a missing page fails `make test`. The site goes to site/.
 docs: setup
 	$(BIN)/python scripts/gen_docs.py
@@ -59,4 +60,4 @@ tools:
 	  || echo "note: docker-compose not installed; the compose check will be skipped"; }
 
 clean:
-	rm -rf $(VENV) results .pytest_cache site docs/generated
+	rm -rf $(VENV) results .pytest_cache site

@@ -140,6 +140,24 @@ def test_every_benchmark_record_is_complete_and_on_the_benchmarks_page(generated
             assert path.name in rendered
 
 
+def test_the_generated_tables_are_committed_and_current(generated):
+    """The pages include docs/generated/: committed, so that the tables read where the pages are read
+    (a clone, the forge's file view), and what the generators write now. Compared with git's index,
+    not the working tree: `make test` runs `make docs` first, which rewrites the working tree's copy."""
+    fresh = sorted(p.name for p in generated.iterdir())
+    listed = subprocess.run(["git", "ls-files", "docs/generated"], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(Path(line).name for line in listed.stdout.split()) == fresh, (
+        "docs/generated/ holds other files than the generators write: run `make docs` and commit docs/generated/"
+    )
+    stale = [
+        name
+        for name in fresh
+        if subprocess.run(["git", "show", f":docs/generated/{name}"], cwd=ROOT, capture_output=True, text=True).stdout
+        != (generated / name).read_text()
+    ]
+    assert not stale, f"docs/generated/ as committed is not what `make docs` writes now: {stale}; commit them"
+
+
 def _site_copy(tmp_path: Path, generated: Path) -> Path:
     site = tmp_path / "project"
     shutil.copytree(DOCS, site / "docs", ignore=shutil.ignore_patterns("generated"))
@@ -177,6 +195,19 @@ def test_the_readme_links_to_files_that_exist_and_carries_no_dates_or_commits():
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", readme), "a date in the README: keep it in a record or the changelog"
     assert not re.search(r"\b[0-9a-f]{7,40}\b", readme), "a commit hash in the README"
     assert not re.search(r"\b\d\d:\d\d(–|-)\d\d:\d\d\b", readme), "a run window in the README"
+
+
+def test_every_figure_of_the_readme_says_which_state_of_the_project_measured_it():
+    """No figure passes for a measurement of the code as it is now unless it is one: each row of the
+    README's measured table names the state that made it, and links to the page with its record."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Measured") : readme.index("## Documentation")]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    assert len(rows) >= 10
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert len(cells) == 3 and cells[2], f"a README figure without the state that measured it: {row}"
+        assert "](docs/benchmarks" in cells[1], f"a README figure without its record: {row}"
 
 
 def test_a_record_a_benchmark_writes_is_rendered_with_its_provenance(tmp_path):

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..protocol import GroupRequest, GroupResult, PolicyState, PolicyUpdateResult
@@ -75,10 +76,14 @@ class AsyncShardedClient:
         *,
         api_key: str | None = None,
         admin_key: str | None = None,
+        key_file: str | Path | None = None,
         timeout_s: float | None = None,
     ) -> None:
         self.map = _TaskMap(urls)
-        self.clients = [AsyncRolloutClient(u, api_key=api_key, admin_key=admin_key, timeout_s=timeout_s) for u in urls]
+        self.clients = [
+            AsyncRolloutClient(u, api_key=api_key, admin_key=admin_key, key_file=key_file, timeout_s=timeout_s)
+            for u in urls
+        ]
 
     async def __aenter__(self) -> AsyncShardedClient:
         return self
@@ -176,16 +181,20 @@ class ShardedClient:
         *,
         api_key: str | None = None,
         admin_key: str | None = None,
+        key_file: str | Path | None = None,
         timeout_s: float | None = None,
     ) -> None:
         self.urls, self._key, self._admin_key, self._timeout_s = list(urls), api_key, admin_key, timeout_s
+        self._key_file = key_file
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sharded-client", daemon=True)
         self._thread.start()
         self._async = self._run(self._make())
 
     async def _make(self) -> AsyncShardedClient:
-        return AsyncShardedClient(self.urls, api_key=self._key, admin_key=self._admin_key, timeout_s=self._timeout_s)
+        return AsyncShardedClient(
+            self.urls, api_key=self._key, admin_key=self._admin_key, key_file=self._key_file, timeout_s=self._timeout_s
+        )
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
