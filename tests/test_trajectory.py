@@ -429,7 +429,8 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
     import asyncio
 
     from inference.replicas import ReplicaPool
-    from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
+    from rollout_service.server.template_renderer import TemplateRenderer
+    from rollout_service.server.trajectory import TrajectoryBuilder
 
     server = _TemplateServer(merge)
     opening = [{"role": "user", "content": "task"}]
@@ -489,7 +490,8 @@ def _three_turns(merge: str, replies: list[str], end_sampled: bool) -> tuple[lis
     import asyncio
 
     from inference.replicas import ReplicaPool
-    from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
+    from rollout_service.server.template_renderer import TemplateRenderer
+    from rollout_service.server.trajectory import TrajectoryBuilder
 
     server = _TemplateServer(merge)
     conversation: list[dict] = [{"role": "user", "content": "task"}]
@@ -585,7 +587,8 @@ def test_new_messages_a_template_renders_elsewhere_or_refuses_cut_the_segment(me
     import asyncio
 
     from inference.replicas import ReplicaPool
-    from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
+    from rollout_service.server.template_renderer import TemplateRenderer
+    from rollout_service.server.trajectory import TrajectoryBuilder
 
     server = _TemplateServer(merge)
     opening = [{"role": "user", "content": "task"}]
@@ -618,7 +621,8 @@ def test_a_failed_opening_render_fails_only_the_attempt_that_asked():
 
     from inference.errors import InferenceError
     from inference.replicas import ReplicaPool
-    from rollout_service.server.trajectory import TemplateRenderer, TrajectoryBuilder
+    from rollout_service.server.template_renderer import TemplateRenderer
+    from rollout_service.server.trajectory import TrajectoryBuilder
 
     server = _TemplateServer()
     opening = [{"role": "user", "content": "task"}]
@@ -688,7 +692,7 @@ def test_a_reply_alone_is_not_tokenized_while_that_seldom_helps():
     """The second way costs a request: after it failed ten turns running it is asked once in 16 turns,
     and once it holds again (a template or model that changed) it is asked every turn. Break tried:
     always worth asking -> 32 asks of 32, fails."""
-    from rollout_service.server.trajectory import _Odds
+    from rollout_service.server.template_renderer import _Odds
 
     odds = _Odds()
     for _ in range(10):

@@ -29,7 +29,8 @@ from .outcome import fail, fail_stale, failed, score
 from .policy import PolicyManager
 from .scheduler import NoEnvLeft, WorldScheduler
 from .targets import EnvHandle, GroupRun, ModelRoute
-from .trajectory import TokenPromptsUnsupported, TrajectoryBuilder
+from .template_renderer import TokenPromptsUnsupported
+from .trajectory import TrajectoryBuilder
 
 log = logging.getLogger("rollout_service.runner")
 

@@ -11,7 +11,7 @@ from inference.replicas import ReplicaPool
 from ..protocol import EnvContract, GroupRequest
 from .env_client import EnvClient
 from .scheduler import EnvSlots
-from .trajectory import TemplateRenderer
+from .template_renderer import TemplateRenderer
 
 
 @dataclass
