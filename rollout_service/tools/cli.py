@@ -296,36 +296,36 @@ def _write_secrets(command: str, ensure: Callable[[Path, Mapping[str, str]], Pat
     return 0
 
 
-def _add_env_token(p: argparse.ArgumentParser) -> None:
-    p.description = (
-        "Write the token the service sends its envs (refenv --token-file FILE) to FILE, and the "
-        "line ENV_TOKEN=... to FILE.env (for --env-token-env ENV_TOKEN once a shell has read it): $ENV_TOKEN "
-        "where set, else a fresh random token. A FILE that exists is kept as it is, unless ENV_TOKEN is "
-        "set. compose does this."
-    )
-    p.add_argument("file", type=Path)
+def _secret_file_command(
+    ensure: str, description: str
+) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    """`env-token` and `vllm-key`: one secret written to FILE and FILE.env by `keys.<ensure>`."""
+
+    def add(p: argparse.ArgumentParser) -> None:
+        p.description = description
+        p.add_argument("file", type=Path)
+
+    def run(args: argparse.Namespace) -> int:
+        from .. import keys
+
+        return _write_secrets(args.command, getattr(keys, ensure), args.file)
+
+    return add, run
 
 
-def _env_token(args: argparse.Namespace) -> int:
-    from ..keys import ensure_env_token
-
-    return _write_secrets("env-token", ensure_env_token, args.file)
-
-
-def _add_vllm_key(p: argparse.ArgumentParser) -> None:
-    p.description = (
-        "Write the key the model servers require (vLLM's --api-key; `rollout-service vllm --api-key-file FILE`) "
-        "to FILE, and the line VLLM_API_KEY=... to FILE.env (for the service's --vllm-api-key-env VLLM_API_KEY "
-        "once a shell has read it): $VLLM_API_KEY where set, else a fresh random key. A FILE that exists is "
-        "kept as it is, unless VLLM_API_KEY is set. compose does this."
-    )
-    p.add_argument("file", type=Path)
-
-
-def _vllm_key(args: argparse.Namespace) -> int:
-    from ..keys import ensure_vllm_key
-
-    return _write_secrets("vllm-key", ensure_vllm_key, args.file)
+_add_env_token, _env_token = _secret_file_command(
+    "ensure_env_token",
+    "Write the token the service sends its envs (refenv --token-file FILE) to FILE, and the line ENV_TOKEN=... "
+    "to FILE.env (for --env-token-env ENV_TOKEN once a shell has read it): $ENV_TOKEN where set, else a fresh "
+    "random token. A FILE that exists is kept as it is, unless ENV_TOKEN is set. compose does this.",
+)
+_add_vllm_key, _vllm_key = _secret_file_command(
+    "ensure_vllm_key",
+    "Write the key the model servers require (vLLM's --api-key; `rollout-service vllm --api-key-file FILE`) "
+    "to FILE, and the line VLLM_API_KEY=... to FILE.env (for the service's --vllm-api-key-env VLLM_API_KEY "
+    "once a shell has read it): $VLLM_API_KEY where set, else a fresh random key. A FILE that exists is "
+    "kept as it is, unless VLLM_API_KEY is set. compose does this.",
+)
 
 
 def _add_measure(p: argparse.ArgumentParser) -> None:
