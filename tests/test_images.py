@@ -235,7 +235,8 @@ FOREIGN_ENV_IMAGE = DOCKER / "foreign-env.Dockerfile"
 
 
 def image_commands() -> dict[Path, set[tuple[str, str]]]:
-    """What each image is run as: its own entrypoint, and (the service's image) what compose runs in it."""
+    """What each image is run as: its own entrypoint, and (the service's image) what compose and docker/e2e.sh
+    run in it."""
     runs = compose_commands()
     commands: dict[Path, set[tuple[str, str]]] = {}
     for image in (SERVICE_IMAGE, VLLM_IMAGE, FOREIGN_ENV_IMAGE):
@@ -244,6 +245,9 @@ def image_commands() -> dict[Path, set[tuple[str, str]]]:
             words = [Path(words[0]).name, *[w for w in (json.loads(dict(dockerfile_instructions(image))["CMD"]))]]
         commands[image] = {(words[0], words[1])} if words[1] != "--help" else set()
     commands[SERVICE_IMAGE] |= runs["rollout-service:local"]
+    # docker/e2e.sh runs the load test in the service's container (a quoted command after `exec ... service`).
+    e2e = (DOCKER / "e2e.sh").read_text()
+    commands[SERVICE_IMAGE] |= {("rollout-service", sub) for sub in re.findall(r"'rollout-service ([a-z-]+)", e2e)}
     return commands
 
 
@@ -368,7 +372,13 @@ def test_the_commands_found_are_the_ones_the_images_run(commands):
     no table names would go unchecked."""
     assert commands[VLLM_IMAGE] == {("rollout-service", "vllm")}
     assert commands[FOREIGN_ENV_IMAGE] == {("refenv", "serve")}
-    assert {("rollout-service", "serve"), ("refenv", "serve"), ("rollout-service", "keys")} <= commands[SERVICE_IMAGE]
+    assert {
+        ("rollout-service", "serve"),
+        ("refenv", "serve"),
+        ("rollout-service", "keys"),
+        ("rollout-service", "vllm-key"),
+        ("rollout-service", "loadtest"),
+    } <= commands[SERVICE_IMAGE]
 
 
 def test_the_vllm_image_installs_the_launchers_extra_only():

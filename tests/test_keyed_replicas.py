@@ -6,7 +6,8 @@ docker/e2e.sh.
 Breaks tried: LocalStack.start_service without `--vllm-api-key-env` -> the service cannot list the
 model at start (401) and the stack does not come up, fails; launch_embedded_vllm ignoring `api_key` ->
 the completion without a key answers 200, fails; ReplicaRegistry._replica_key returning None -> the
-replica added with its own variable is sent the route's (wrong) key and never lists the model, fails.
+unset variable is not refused, and the replica named with a wrong key's variable is sent the route's
+(right) key and added, fails.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from inference import embedded_model
 from rollout_service.protocol import GroupResult
 from rollout_service.tools.stack import LocalStack, service_command, start_listening
 from rollout_service.trainer import RolloutClient
-from rollout_service.trainer.client import RequestRejected
+from rollout_service.trainer.client import RequestRejected, RolloutError
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 
@@ -57,12 +58,14 @@ def test_the_local_stacks_vllm_answers_only_its_key_and_groups_score(stack):
 def test_a_replica_added_by_url_is_sent_the_key_its_variable_names(stack, tmp_path):
     """A second service (started on the stack's vLLM with the key in VLLM_KEY_A) is given the same vLLM
     under another URL with `api_key_env: VLLM_KEY_B`: it is added and serves a group once the first URL is
-    removed. A variable that is unset, or that holds the service's own key, is refused with 422."""
+    removed; named with a variable holding a wrong key, it is not added (it answers that key 401). A variable
+    that is unset, or that holds the service's own key, is refused with 422."""
     port = stack.urls["vllm"].rsplit(":", 1)[1]
     env = {
         **os.environ,
         "VLLM_KEY_A": stack.vllm_api_key or "",
         "VLLM_KEY_B": stack.vllm_api_key or "",
+        "VLLM_KEY_WRONG": "not-the-key-of-this-vllm",
         "ADMIN_KEY": "an-admin-key-for-this-test",
     }
     cmd = service_command(
@@ -86,6 +89,8 @@ def test_a_replica_added_by_url_is_sent_the_key_its_variable_names(stack, tmp_pa
             with pytest.raises(RequestRejected) as own:
                 client.add_replica(f"http://localhost:{port}", api_key_env="ADMIN_KEY", timeout_s=30)
             assert own.value.status == 422 and own.value.error == "replica_key_refused"
+            with pytest.raises(RolloutError):
+                client.add_replica(f"http://localhost:{port}", api_key_env="VLLM_KEY_WRONG", timeout_s=10)
             added = client.add_replica(f"http://localhost:{port}", api_key_env="VLLM_KEY_B", timeout_s=120)
             assert added.routed, added
             client.remove_replica(f"http://127.0.0.1:{port}", timeout_s=60)

@@ -468,7 +468,11 @@ def _loadtest(args: argparse.Namespace) -> int:
     args.json.write_text(json.dumps(report, indent=1))
     print(f"report: {args.json}")
     if args.plot:
-        plot(report, args.plot)
+        try:
+            plot(report, args.plot)
+        except ValueError as exc:
+            print(f"rollout-service loadtest: {exc}", file=sys.stderr)
+            return 2
         print(f"plot: {args.plot}")
     return 0 if report["groups"] else 1
 

@@ -258,11 +258,15 @@ def format_report(r: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    """Throughput and latency over time, and pool occupancy, to a PNG."""
-    import matplotlib
+    """Throughput and latency over time, and pool occupancy, to a PNG. ValueError, saying what to install,
+    where matplotlib is not (the service's image has no plotting: the `bench` extra brings it)."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'rollout-service[bench]'") from None
 
     groups, samples = r["timeline"]["groups"], r["timeline"]["samples"]
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
