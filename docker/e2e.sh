@@ -84,6 +84,9 @@ T=$(date +%s)
 say "building images (the first time, the vLLM CPU image takes several minutes; later only the code's layers)"
 $COMPOSE build >"$LOGS/e2e-build.log" 2>&1 || { tail -30 "$LOGS/e2e-build.log"; fail "docker-compose build"; }
 BUILD_S=$(since "$T")
+# vfs keeps every layer as a full copy of its image (the vLLM image's are 4.5 GB each): the layers an
+# earlier run built and this one replaced (untagged, used by no image) go now, or the disk fills up.
+docker image prune -f >/dev/null
 T=$(date +%s)
 say "building the foreign-style env image (docker/foreign-env.Dockerfile)"
 FOREIGN=stepenv-foreign:local
