@@ -138,6 +138,15 @@ PY
   curl -fs http://127.0.0.1:8090/health | python3 -c "import json,sys; h=json.load(sys.stdin); assert h['leased']==0, h; print('e2e: env leased 0, max_leased', h['max_leased'], file=sys.stderr)"
 }
 
+# The ports compose publishes must be free: another server on one of them (a `rollout-service up` left
+# running) would stop `up` with "address already in use" after the builds. Waited for a while, then named.
+for _ in $(seq 24); do
+  BUSY=$(ss -Hltn 2>/dev/null | awk '{print $4}' | grep -E '(^|:)(8000|8080|8090)$' || true)
+  [ -z "$BUSY" ] && break
+  say "waiting for ports 8000/8080/8090 to be free (in use: $(echo $BUSY | tr '\n' ' '))"; sleep 5
+done
+[ -z "$BUSY" ] || { ss -Hltnp | grep -E ':(8000|8080|8090) ' >&2 || true; fail "ports in use: $BUSY"; }
+
 T=$(date +%s)
 say "docker compose up (vLLM prepares the model at its first start: a few minutes)"
 $COMPOSE up -d >"$LOGS/e2e-up.log" 2>&1 || { tail -5 "$LOGS/e2e-up.log"; fail "docker-compose up"; }
