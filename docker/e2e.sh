@@ -24,6 +24,9 @@ ROOT=$PWD
 LOGS=$ROOT/results/logs
 mkdir -p "$LOGS"
 COMPOSE="docker-compose -f docker/compose.cpu.yaml"
+# On vfs, creating the vLLM container copies its whole image (4.5 GB): on a busy machine that outlasts
+# compose's default 60 s wait for the engine's answer.
+export COMPOSE_HTTP_TIMEOUT=${COMPOSE_HTTP_TIMEOUT:-600}
 PROJECT=docker  # compose's project name: the compose file's folder, as for a user running it there
 say() { echo "$(date +%H:%M:%S) [e2e] $*"; }
 fail() { echo "e2e: FAILED: $*" >&2; exit 1; }
