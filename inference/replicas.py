@@ -77,11 +77,8 @@ class ReplicaPool:
         self._http: HttpTransport = make_transport(
             timeout_s, transport, max_answer_bytes=max_answer_bytes, address_policy=address_policy
         )
-        self._make_engine = engine or (
-            lambda url: VllmServer(
-                url, self._http, api_key=self.api_key, token_ids=self.token_ids, update_timeout_s=update_timeout_s
-            )
-        )
+        self._engine = engine
+        self._update_timeout_s = update_timeout_s
         self.endpoints = [self.new_endpoint(u) for u in urls]
         self._pins: dict[str, Endpoint] = {}
         self._deadline_s = timeout_s
@@ -112,10 +109,17 @@ class ReplicaPool:
 
     # -- membership: replicas added, drained and removed at runtime ----------------------------
 
-    def new_endpoint(self, url: str) -> Endpoint:
-        """An endpoint for `url` with this client's key, not yet routed to (see `add`)."""
+    def new_endpoint(self, url: str, api_key: str | None = None) -> Endpoint:
+        """An endpoint for `url` with `api_key`, else this client's key, not yet routed to (see `add`)."""
         base = _base(url)
-        return Endpoint(base, self.api_key, engine=self._make_engine(base))
+        key = self.api_key if api_key is None else api_key
+        engine = self._engine(base) if self._engine is not None else self._vllm(base, key)
+        return Endpoint(base, key, engine=engine)
+
+    def _vllm(self, url: str, api_key: str | None) -> Engine:
+        return VllmServer(
+            url, self._http, api_key=api_key, token_ids=self.token_ids, update_timeout_s=self._update_timeout_s
+        )
 
     def add(self, endpoint: Endpoint, excluded: str | None = None) -> None:
         """Route to one more replica, at once or once `exclude(endpoint, None)` lets it in."""

@@ -32,6 +32,7 @@ import yarl
 from .addresses import AddressPolicy, CheckedResolver, RefusedAddress, canonical_ipv4
 from .deadlines import DeadlineSweep
 from .json_body import dumps
+from .limits import DEFAULT_MAX_ANSWER_BYTES
 from .proxies import EnvProxies
 from .text import clean_text
 
@@ -73,13 +74,6 @@ class AnswerTooLarge(TransportError):
     def __init__(self, limit: int) -> None:
         self.limit = limit
         super().__init__(f"the answer is longer than {limit} bytes (--max-answer-bytes)")
-
-
-# What one answer from an env or a model server may hold unless a transport is told otherwise. The
-# largest legitimate one is a completion: max_tokens (at most 32,768) times an id, a logprob and its
-# text (under 128 bytes a token, written as JSON, with the chat endpoint's per-token entries) for
-# each of up to 16 choices is 64 MiB; an env's observation is far below that.
-DEFAULT_MAX_ANSWER_BYTES = 64 << 20
 
 
 @dataclass

@@ -7,7 +7,8 @@ The file is environment-variable lines, so a shell (`set -a; . FILE`) and the se
     ROLLOUT_ADMIN_KEY=...    the admin plane's key (operators: membership, policy updates)
 
 The env's token (refenv --token) is kept apart (`ensure_env_token`): the envs and the service hold
-it, the trainer does not.
+it, the trainer does not. So is the model servers' key (`ensure_vllm_key`, vLLM's `--api-key`): the
+model servers and the service hold it.
 
 It is created with mode 0600 (owner only), never through a symlink. Keys generated once stay the
 keys: a file that exists is replaced only by keys the operator chose (both variables set).
@@ -72,22 +73,35 @@ def ensure_env_token(path: str | Path, given: Mapping[str, str] | None = None) -
     read that file). The token: `given`'s ENV_TOKEN when set (written even over existing files),
     else a fresh random one, written only if `path` does not exist yet. ValueError for an ENV_TOKEN
     that is too short or holds characters a shell would read otherwise."""
+    return _ensure_secret(path, ENV_TOKEN_VAR, given)
+
+
+# The variable vLLM reads its API key from (so it never shows on its command line) and the one the
+# service is told of (--vllm-api-key-env VLLM_API_KEY).
+VLLM_KEY_VAR = "VLLM_API_KEY"
+
+
+def ensure_vllm_key(path: str | Path, given: Mapping[str, str] | None = None) -> Path:
+    """As `ensure_env_token`, for the key the model servers require (vLLM's `--api-key`, read from
+    $VLLM_API_KEY): `path` holds it, `<path>.env` the line `VLLM_API_KEY=...`."""
+    return _ensure_secret(path, VLLM_KEY_VAR, given)
+
+
+def _ensure_secret(path: str | Path, var: str, given: Mapping[str, str] | None) -> Path:
     path = Path(path).expanduser()
     shell_file = path.with_name(path.name + ".env")
     for file in (path, shell_file):
         if file.is_symlink():
-            raise ValueError(f"{file} is a symlink: the token is written only where it is named")
-    chosen = (given or {}).get(ENV_TOKEN_VAR, "")
+            raise ValueError(f"{file} is a symlink: the secret is written only where it is named")
+    chosen = (given or {}).get(var, "")
     if chosen and not _TOKEN.fullmatch(chosen):
-        raise ValueError(
-            f"{ENV_TOKEN_VAR} must be 16 to 512 characters of letters, digits and ._~+/=- (it is not shown here)"
-        )
+        raise ValueError(f"{var} must be 16 to 512 characters of letters, digits and ._~+/=- (it is not shown here)")
     if not chosen:
         if path.exists() and shell_file.exists():
             return path
         chosen = secrets.token_urlsafe(32)
     _write_private(path, chosen + "\n")
-    _write_private(shell_file, f"{ENV_TOKEN_VAR}={chosen}\n")
+    _write_private(shell_file, f"{var}={chosen}\n")
     return path
 
 

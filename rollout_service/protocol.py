@@ -609,6 +609,13 @@ class ReplicaAdd(ReplicaRef):
         le=3600,
         description="how long to wait for it to list the model and (policy) be brought to the current version",
     )
+    # A variable's name, never the key: a request body is logged and shown where a key must not be.
+    api_key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
+        description="the variable in the service's environment holding the key this replica requires (vLLM's "
+        "--api-key); default: the route's, --vllm-api-key-env",
+    )
 
 
 class ReplicaRemove(ReplicaRef):

@@ -210,6 +210,13 @@ def test_up_places_each_piece_on_its_node_and_groups_score(deployment):
     env_url = pieces["env-0"]["url"]
     assert httpx.get(f"{env_url}/tasks", timeout=10).status_code == 401
     assert httpx.post(f"{env_url}/step/reset", json={}, timeout=10).status_code == 401
+    # The replica too (issue 46): it listens on the node's address, and its completions answer only the
+    # holder of the deployment's key, which the service sends (the group above scored). Break tried:
+    # no VLLM_API_KEY in the replica's environment (deploy._start) -> 200 here.
+    replica = pieces["replica-0"]["url"]
+    completion = {"model": embedded_model.MODEL_NAME, "prompt": "Hello", "max_tokens": 1}
+    assert httpx.post(f"{replica}/v1/completions", json=completion, timeout=60).status_code == 401
+    assert httpx.get(f"{replica}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
     # Its logs and pid file are in a folder only this user can enter.
     logs = Path(pieces["env-0"]["log"]).parent
     assert stat.S_IMODE(logs.stat().st_mode) == 0o700 and logs.stat().st_uid == os.geteuid()

@@ -107,6 +107,30 @@ def test_compose_closes_the_env_by_default_with_a_token_it_generates(compose):
 
 
 @pytest.mark.parametrize("compose", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_keys_vllm_and_lets_any_env_user_read_its_token(compose):
+    """vLLM requires the key the keys step writes (from $VLLM_API_KEY, never its command line) and the service
+    sends it; the env's token file is readable by an env image's own user (issue 46: uid 10002 could not).
+    docker/e2e.sh checks both on a running stack. Breaks tried: the keys step without `chmod 0444
+    /env-token/token`, and the vLLM entry without the key's volume, each fails here."""
+    for given in ({}, {"VLLM_API_KEY": "an-operator-chosen-vllm-key"}):
+        services = _config(compose, **given)["services"]
+        vllm, keys, service = services["vllm"], services["keys"], services["service"]
+        step = " ".join(keys["command"])
+        assert "rollout-service vllm-key /vllm-key/key" in step and "chmod 0444 /vllm-key/key" in step, step
+        assert "chmod 0444 /env-token/token" in step, step
+        assert keys["environment"]["VLLM_API_KEY"] == given.get("VLLM_API_KEY", ""), keys["environment"]
+        assert "vllm-key:/vllm-key:ro" in " ".join(str(v) for v in vllm["volumes"]), vllm["volumes"]
+        assert vllm["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+        how = " ".join(vllm.get("entrypoint") or []) + " " + " ".join(vllm.get("command") or [])
+        assert "--api-key-file /vllm-key/key" in how or ". /vllm-key/key.env" in how, how
+        assert "--api-key " not in how, "the key would show on vLLM's command line"
+        assert "/v1/" not in " ".join(vllm["healthcheck"]["test"]), "its health check would need the key"
+        assert ". /vllm-key/key.env" in " ".join(service["entrypoint"]), service["entrypoint"]
+        command = service["command"]
+        assert command[command.index("--vllm-api-key-env") + 1] == "VLLM_API_KEY"
+
+
+@pytest.mark.parametrize("compose", ["compose.yaml", "compose.cpu.yaml"])
 def test_compose_runs_a_foreign_env_image_as_it_intends(compose):
     """GraphJin's image: its own entrypoint (`graphjin`), ENV_COMMAND as its arguments, its project
     mounted at /data, no health-check tooling inside."""

@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..keys import VLLM_KEY_VAR
 from ..tools.stack import ManagedProcess
 
 # Actor names: f"{kind}-{index}" in the deployment's namespace.
@@ -74,7 +75,8 @@ class ServerProcess:
         if self.proc.pid is not None:  # None: the guard died first, and wait_http says why
             _write_pidfile(self._pidfile, self.proc.pid)
         try:
-            self.proc.wait_http(f"{self.url}{ready_path}", timeout_s=startup_timeout_s)
+            # A replica's ready_path (/v1/models) asks for the key it was started with.
+            self.proc.wait_http(f"{self.url}{ready_path}", timeout_s=startup_timeout_s, api_key=env.get(VLLM_KEY_VAR))
         except BaseException:
             self.stop()
             raise

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from ..keys import ADMIN_KEY_VAR, API_KEY_VAR, ensure_key_file, read_key_file
+from ..keys import ADMIN_KEY_VAR, API_KEY_VAR, VLLM_KEY_VAR, ensure_key_file, read_key_file
 from .actors import ServerProcess, ServiceProcess, actor_name, piece_of
 from .config import ClusterConfig, ConfigError, Kind, with_count
 
@@ -132,7 +132,8 @@ def status(config: ClusterConfig) -> dict[str, Any]:
             except Exception as exc:  # restarting, or gone for good: say so with Ray's words
                 entry.update(alive=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
             if entry.get("url"):
-                entry["healthy"] = _answers(entry["url"] + spec.ready_path)
+                key = _secret(config, _VLLM_KEY_KEY) if kind == "replica" else None
+                entry["healthy"] = _answers(entry["url"] + spec.ready_path, key)
             pieces.append(entry)
     return {"namespace": config.namespace, "pieces": pieces}
 
@@ -153,7 +154,8 @@ def down(config: ClusterConfig, say: Say = print) -> int:
             stopped += 1
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_del(_ENV_TOKEN_KEY, namespace=config.namespace)  # the next `up` makes a new one
+    for name in (_ENV_TOKEN_KEY, _VLLM_KEY_KEY):  # the next `up` makes new ones
+        internal_kv._internal_kv_del(name, namespace=config.namespace)
     return stopped
 
 
@@ -187,8 +189,19 @@ def _start(config: ClusterConfig, kind: Kind, index: int) -> Any:
     if kind != "replica":
         # The envs answer only the service (refenv's --token, as REFENV_TOKEN; other envs ignore it).
         env[ENV_TOKEN_VAR] = _env_token(config)
+    if kind != "env":
+        # The replicas listen on their node's routable address: their completions answer only the service
+        # (vLLM reads $VLLM_API_KEY, a `command` replica's `vllm serve` too; other servers ignore it).
+        env[VLLM_KEY_VAR] = _secret(config, _VLLM_KEY_KEY)
     if kind == "service":
-        args = [*config.service.args, "--env-token-env", ENV_TOKEN_VAR, *_key_flags(config, env)]
+        args = [
+            *config.service.args,
+            "--env-token-env",
+            ENV_TOKEN_VAR,
+            "--vllm-api-key-env",
+            VLLM_KEY_VAR,
+            *_key_flags(config, env),
+        ]
         actor = ray.remote(ServiceProcess).options(**options)
         return actor.remote(model=config.model, args=args, **common)
     builtin = None
@@ -202,19 +215,23 @@ def _start(config: ClusterConfig, kind: Kind, index: int) -> Any:
 
 ENV_TOKEN_VAR = "REFENV_TOKEN"
 _ENV_TOKEN_KEY = b"rollout-service/env-token"
+_VLLM_KEY_KEY = b"rollout-service/vllm-key"
 
 
 def _env_token(config: ClusterConfig) -> str:
-    """The deployment's env token: made by the first `up`, kept in the cluster (Ray's key-value
-    store, per namespace) so that later commands and restarted pieces use the same one."""
+    return _secret(config, _ENV_TOKEN_KEY)
+
+
+def _secret(config: ClusterConfig, name: bytes) -> str:
+    """One of the deployment's secrets (the env token, the replicas' key): made by the first `up`, kept in
+    the cluster (Ray's key-value store, per namespace) so that later commands and restarted pieces use
+    the same one."""
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(
-        _ENV_TOKEN_KEY, secrets.token_urlsafe(32).encode(), overwrite=False, namespace=config.namespace
-    )
-    token = internal_kv._internal_kv_get(_ENV_TOKEN_KEY, namespace=config.namespace)
-    assert isinstance(token, bytes)
-    return token.decode()
+    internal_kv._internal_kv_put(name, secrets.token_urlsafe(32).encode(), overwrite=False, namespace=config.namespace)
+    value = internal_kv._internal_kv_get(name, namespace=config.namespace)
+    assert isinstance(value, bytes)
+    return value.decode()
 
 
 def _ready(handle: Any, kind: str, timeout_s: float) -> dict[str, Any]:
@@ -347,8 +364,9 @@ def _get(ref: Any, timeout: float) -> Any:
     return ray.get(ref, timeout=timeout)
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, api_key: str | None = None) -> bool:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        return httpx.get(url, timeout=3).status_code == 200
+        return httpx.get(url, timeout=3, headers=headers).status_code == 200
     except httpx.HTTPError:
         return False

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from inference.transport import DEFAULT_MAX_ANSWER_BYTES
+from inference.limits import DEFAULT_MAX_ANSWER_BYTES
 
 from ..flags import PORT_FILE_HELP, Flag, ListenAddress, PortFile
 from ..protocol import http_url
@@ -104,6 +104,12 @@ class ServiceConfig(BaseModel):
     )
     env_token_env: Annotated[str | None, Flag(metavar="VAR")] = Field(
         None, description="send `Authorization: Bearer $VAR` to every env (refenv --token; compose and ray up set it)"
+    )
+    vllm_api_key_env: Annotated[str | None, Flag(metavar="VAR")] = Field(
+        None,
+        description="send `Authorization: Bearer $VAR` to the policy's and support model servers (vLLM's "
+        "--api-key; compose, ray up and rollout-service up set it); a replica added by POST /replicas gets it "
+        "unless it names its own api_key_env",
     )
     max_requests_per_second: Annotated[float | None, Flag(metavar="R")] = Field(
         None, gt=0, description="cap on chat requests per second to each model route"
@@ -209,6 +215,17 @@ class ServiceConfig(BaseModel):
     log_format: Annotated[LogFormat, Flag(metavar="FORMAT")] = Field(
         "text", description="text (a line each, with the time) or json (one object a line, for log collectors)"
     )
+
+    def vllm_api_key(self) -> str | None:
+        """The key sent to the policy's and support model servers, or None (checked set: below)."""
+        return os.environ.get(self.vllm_api_key_env) if self.vllm_api_key_env else None
+
+    @model_validator(mode="after")
+    def _vllm_key_set(self) -> ServiceConfig:
+        # Fatal, unlike an unset env token: a keyed model server would answer every completion 401.
+        if self.vllm_api_key_env and not self.vllm_api_key():
+            raise ValueError(f"--vllm-api-key-env {self.vllm_api_key_env}: that variable is empty or unset")
+        return self
 
     def env_token(self) -> str | None:
         """The token sent to the envs, or None (checked set at start: `create_app`)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from typing import Any
 
@@ -40,7 +41,8 @@ class ReplicaRegistry:
     def __init__(self, config: ServiceConfig, lifecycle: Lifecycle, metrics: Metrics, allowed: AllowedBackends) -> None:
         self.lifecycle = lifecycle
         self.allowed = allowed  # what POST /replicas may reach
-        self.policy = ModelRoute(config.model, _replica_pool(config.vllm, config, allowed))
+        key = config.vllm_api_key()
+        self.policy = ModelRoute(config.model, _replica_pool(config.vllm, config, allowed, api_key=key))
         self.versions = PolicyManager(
             self.policy.client,
             self.policy.request_model,
@@ -53,7 +55,7 @@ class ReplicaRegistry:
         self.support: ModelRoute | None = None
         if config.support_model:
             self.support = ModelRoute(
-                config.support_model, _replica_pool(config.support_vllm or config.vllm, config, allowed)
+                config.support_model, _replica_pool(config.support_vllm or config.vllm, config, allowed, api_key=key)
             )
         self.named: dict[str, ModelRoute] = {
             spec.name: ModelRoute(
@@ -64,6 +66,8 @@ class ReplicaRegistry:
             for spec in config.model_endpoint
         }
         self.adding: set[str] = set()  # replicas being added, not yet routed
+        # The service's own secrets: a replica added by URL may not be sent one of them as its key.
+        self._own_secrets = {v for v in (config.api_key_env, config.admin_key_env, config.env_token_env) if v}
 
     def model_routes(self) -> list[tuple[str, ModelRoute]]:
         """Every model the service may ask, with the role /health names it by."""
@@ -107,6 +111,22 @@ class ReplicaRegistry:
 
     # -- membership ---------------------------------------------------------------------------
 
+    def _replica_key(self, body: ReplicaAdd) -> str | None:
+        """The key a replica being added is sent: its `api_key_env`'s value, else the route's (None)."""
+        if body.api_key_env is None:
+            return None
+        if body.api_key_env in self._own_secrets:
+            raise Invalid(
+                "replica_key_refused",
+                f"api_key_env {body.api_key_env} holds one of the service's own keys: name the replica's key",
+            )
+        key = os.environ.get(body.api_key_env)
+        if not key:
+            raise Invalid(
+                "replica_key_missing", f"api_key_env {body.api_key_env}: not set in the service's environment"
+            )
+        return key
+
     async def add(self, body: ReplicaAdd) -> ReplicaState:
         """Route to one more replica of the policy (or support) model. It must list the model
         within `timeout_s`; a policy replica is routed to only once it serves the current version
@@ -114,7 +134,7 @@ class ReplicaRegistry:
         self.lifecycle.refuse_unless_ready()
         route = self.route(body.role)
         await self.allowed.check(body.url, f"{body.role} replica")  # before anything is asked of it
-        endpoint = route.client.new_endpoint(body.url)
+        endpoint = route.client.new_endpoint(body.url, api_key=self._replica_key(body))
         if any(e.url == endpoint.url for e in route.client.endpoints) or endpoint.url in self.adding:
             raise Conflict("replica_present", f"{endpoint.url} is a {body.role} replica already")
         self.adding.add(endpoint.url)

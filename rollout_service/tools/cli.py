@@ -1,4 +1,10 @@
-"""`rollout-service`: serve, demo, up, vllm, export, keys, measure, loadtest, ray."""
+"""`rollout-service`: serve, demo, up, vllm, export, keys, env-token, vllm-key, measure, loadtest, ray.
+
+What a command imports follows what it does: this module loads only the standard library, and each
+command's flags and code are imported when that command is chosen. So `rollout-service vllm` (the
+vLLM image's entrypoint, installed with the `vllm` extra only) and `keys` never load the service,
+its settings or its HTTP stack (tests/test_images.py holds each image to what it installs).
+"""
 
 from __future__ import annotations
 
@@ -13,21 +19,14 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from pydantic import ValidationError
 
-from ..flags import add_flags, parse_listen, settings_from
-from ..listening import ReportingServer
-from ..protocol import GroupRequest
-from ..server.config import ENV_PREFIX, ServiceConfig
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    from ..flags import add_flags
+    from ..server.config import ENV_PREFIX, ServiceConfig
 
-
-def _add_serve(sub) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="run the service (FastAPI on uvicorn)",
-        description="Run the rollout service. Every flag can also come from the environment "
-        "variable named in its help; lists there are comma-separated "
-        "(--model-endpoint: ';'-separated).",
+    p.description = (
+        "Run the rollout service. Every flag can also come from the environment variable named in its help; "
+        "lists there are comma-separated (--model-endpoint: ';'-separated)."
     )
     add_flags(p, ServiceConfig, ENV_PREFIX)
 
@@ -42,8 +41,21 @@ GC_THRESHOLDS = (100_000, 20, 100)
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..flags import parse_listen, settings_from
+    from ..listening import ReportingServer
     from ..server.app import create_app
+    from ..server.config import ENV_PREFIX, ServiceConfig
     from ..server.logs import configure_logging
+
+    class _Server(ReportingServer):
+        """uvicorn's server, made to abandon running groups as soon as SIGTERM/SIGINT arrives
+        rather than wait for groups that may run for minutes."""
+
+        def handle_exit(self, sig, frame):
+            cancel = getattr(getattr(self.config.app, "state", None), "cancel_running", None)
+            if cancel is not None and not self.should_exit:
+                cancel()
+            super().handle_exit(sig, frame)
 
     try:
         config = settings_from(args, ServiceConfig, ENV_PREFIX)
@@ -84,19 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-class _Server(ReportingServer):
-    """uvicorn's server, made to abandon running groups as soon as SIGTERM/SIGINT arrives
-    rather than wait for groups that may run for minutes."""
-
-    def handle_exit(self, sig, frame):
-        cancel = getattr(getattr(self.config.app, "state", None), "cancel_running", None)
-        if cancel is not None and not self.should_exit:
-            cancel()
-        super().handle_exit(sig, frame)
-
-
-def _add_vllm(sub) -> None:
-    p = sub.add_parser("vllm", help="prepare the embedded default model and run a local vLLM server for it")
+def _add_vllm(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="host (default 127.0.0.1)")
     p.add_argument(
@@ -111,14 +111,35 @@ def _add_vllm(sub) -> None:
         help="weights and activations (default: bfloat16, or float32 on a CPU without native bf16, where "
         "vLLM's CPU build emulates bf16 at half the speed)",
     )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="require this key (the file's content, as `rollout-service vllm-key` writes it) on /v1/*: given to vLLM "
+        "as $VLLM_API_KEY, never on its command line (compose sets it)",
+    )
 
 
 def _vllm(args: argparse.Namespace) -> int:
     from inference import embedded_model, local_server
 
+    from ..keys import VLLM_KEY_VAR
+
     if local_server.installed_vllm() is None:
         print("rollout-service vllm: vLLM is not installed here (`make setup` installs the CPU build)", file=sys.stderr)
         return 2
+    environment = local_server.vllm_environment(dev_mode=args.host in ("127.0.0.1", "localhost", "::1"))
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text().strip()
+        except OSError as exc:
+            print(f"rollout-service vllm: --api-key-file {args.api_key_file}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        if not key:
+            print(f"rollout-service vllm: --api-key-file {args.api_key_file} is empty", file=sys.stderr)
+            return 2
+        environment[VLLM_KEY_VAR] = key
     model_dir = embedded_model.prepare()
     cmd = local_server.vllm_command(
         model_dir,
@@ -132,11 +153,10 @@ def _vllm(args: argparse.Namespace) -> int:
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     if not loopback:
         print("note: not on loopback, so vLLM's dev mode stays off: LoRA updates work, full-weight updates do not")
-    os.execvpe(cmd[0], cmd, local_server.vllm_environment(dev_mode=loopback))
+    os.execvpe(cmd[0], cmd, environment)
 
 
-def _add_up(sub) -> None:
-    p = sub.add_parser("up", help="start vLLM, refenv (pool 8) and the service; keep them up until Ctrl-C")
+def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-port", type=int, default=8000, help="vLLM's port (default 8000; 0: a free one)")
     p.add_argument("--env-port", type=int, default=8090, help="refenv's port (default 8090; 0: one it binds)")
     p.add_argument("--port", type=int, default=8080, help="the service's port (default 8080; 0: one it binds)")
@@ -190,8 +210,7 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="run everything on this machine and show reward groups")
+def _add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--groups", type=int, default=4, help="groups to run (default 4)")
     p.add_argument("--n", type=int, default=8, help="attempts per group (default 8)")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -208,8 +227,9 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="write SFT records from a run log (distillation, rejection sampling)")
+def _add_export(p: argparse.ArgumentParser) -> None:
+    from ..server.config import ENV_PREFIX
+
     p.add_argument("run", help="a run id (in --runs-dir) or a path to a run log (.jsonl)")
     p.add_argument(
         "--runs-dir",
@@ -248,15 +268,13 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_keys(sub) -> None:
-    p = sub.add_parser(
-        "keys",
-        help="write the service's two keys to FILE (mode 0600) unless it holds them already",
-        description="Write ROLLOUT_API_KEY= and ROLLOUT_ADMIN_KEY= lines to FILE (mode 0600, never through a "
+def _add_keys(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Write ROLLOUT_API_KEY= and ROLLOUT_ADMIN_KEY= lines to FILE (mode 0600, never through a "
         "symlink): the values of those variables where both are set here, else fresh random keys. A FILE "
         "that exists is kept as it is, unless both variables are set. compose and `ray up` do this; the "
         "service reads the file's variables (--api-key-env ROLLOUT_API_KEY --admin-key-env "
-        "ROLLOUT_ADMIN_KEY) and the trainer the file (RolloutClient(url, key_file=FILE)).",
+        "ROLLOUT_ADMIN_KEY) and the trainer the file (RolloutClient(url, key_file=FILE))."
     )
     p.add_argument("file", type=Path)
 
@@ -278,26 +296,42 @@ def _write_secrets(command: str, ensure: Callable[[Path, Mapping[str, str]], Pat
     return 0
 
 
-def _add_env_token(sub) -> None:
-    p = sub.add_parser(
-        "env-token",
-        help="write the envs' token to FILE and FILE.env (mode 0600) unless FILE holds one already",
-        description="Write the token the service sends its envs (refenv --token-file FILE) to FILE, and the "
-        "line ENV_TOKEN=... to FILE.env (for --env-token-env ENV_TOKEN once a shell has read it): $ENV_TOKEN "
-        "where set, else a fresh random token. A FILE that exists is kept as it is, unless ENV_TOKEN is "
-        "set. compose does this.",
-    )
-    p.add_argument("file", type=Path)
+def _secret_file_command(
+    ensure: str, description: str
+) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    """`env-token` and `vllm-key`: one secret written to FILE and FILE.env by `keys.<ensure>`."""
+
+    def add(p: argparse.ArgumentParser) -> None:
+        p.description = description
+        p.add_argument("file", type=Path)
+
+    def run(args: argparse.Namespace) -> int:
+        from .. import keys
+
+        return _write_secrets(args.command, getattr(keys, ensure), args.file)
+
+    return add, run
 
 
-def _env_token(args: argparse.Namespace) -> int:
-    from ..keys import ensure_env_token
+_add_env_token, _env_token = _secret_file_command(
+    "ensure_env_token",
+    "Write the token the service sends its envs (refenv --token-file FILE) to FILE, and the line ENV_TOKEN=... "
+    "to FILE.env (for --env-token-env ENV_TOKEN once a shell has read it): $ENV_TOKEN where set, else a fresh "
+    "random token. A FILE that exists is kept as it is, unless ENV_TOKEN is set. compose does this.",
+)
+_add_vllm_key, _vllm_key = _secret_file_command(
+    "ensure_vllm_key",
+    "Write the key the model servers require (vLLM's --api-key; `rollout-service vllm --api-key-file FILE`) "
+    "to FILE, and the line VLLM_API_KEY=... to FILE.env (for the service's --vllm-api-key-env VLLM_API_KEY "
+    "once a shell has read it): $VLLM_API_KEY where set, else a fresh random key. A FILE that exists is "
+    "kept as it is, unless VLLM_API_KEY is set. compose does this.",
+)
 
-    return _write_secrets("env-token", ensure_env_token, args.file)
 
+def _add_measure(p: argparse.ArgumentParser) -> None:
+    from ..protocol import GroupRequest
+    from ..server.config import ENV_PREFIX
 
-def _add_measure(sub) -> None:
-    p = sub.add_parser("measure", help="pass rate of the policy on an eval-side env, with a 95%% interval")
     p.add_argument("--env", required=True, action="append", metavar="EVAL_URL", help="eval-side env server")
     p.add_argument("--vllm", action="append", default=None, metavar="URL", help=f"model server [{ENV_PREFIX}VLLM]")
     p.add_argument("--model", default=None, help=f"model name [{ENV_PREFIX}MODEL]")
@@ -326,6 +360,11 @@ def _add_measure(sub) -> None:
 def _measure(args: argparse.Namespace) -> int:
     import json
 
+    from pydantic import ValidationError
+
+    from ..flags import settings_from
+    from ..protocol import GroupRequest
+    from ..server.config import ENV_PREFIX, ServiceConfig
     from ..server.errors import RequestRefused, StartupError
     from .measure import format_measurement, run_measure
 
@@ -376,8 +415,7 @@ def _measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_loadtest(sub) -> None:
-    p = sub.add_parser("loadtest", help="drive a running service (on this machine) like a fleet of trainers")
+def _add_loadtest(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service", default="http://127.0.0.1:8080", help="service URL (loopback only)")
     p.add_argument("--trainers", type=int, default=4, help="concurrent trainers (default 4)")
     p.add_argument("--batch", type=int, default=4, help="groups per batch request (default 4)")
@@ -430,18 +468,20 @@ def _loadtest(args: argparse.Namespace) -> int:
     args.json.write_text(json.dumps(report, indent=1))
     print(f"report: {args.json}")
     if args.plot:
-        plot(report, args.plot)
+        try:
+            plot(report, args.plot)
+        except ValueError as exc:
+            print(f"rollout-service loadtest: {exc}", file=sys.stderr)
+            return 2
         print(f"plot: {args.plot}")
     return 0 if report["groups"] else 1
 
 
-def _add_ray(sub) -> None:
-    p = sub.add_parser(
-        "ray",
-        help="run the stack on a Ray cluster: up, scale, status, down (needs the `ray` extra)",
-        description="Place vLLM replicas, env servers and the service on an existing Ray cluster as named, "
+def _add_ray(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Place vLLM replicas, env servers and the service on an existing Ray cluster as named, "
         "detached actors (docs/operations.md, Ray). Each command connects to the cluster at "
-        "--address, else $RAY_ADDRESS, else the local one.",
+        "--address, else $RAY_ADDRESS, else the local one."
     )
     actions = p.add_subparsers(dest="action", required=True)
     for name, text in (
@@ -516,39 +556,60 @@ def _ray(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Each command: its help line, what adds its flags, what runs it. Only the chosen command's flags are
+# added (see `main`), so choosing a command imports nothing another one needs.
+_Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, _Command] = {
+    "serve": ("run the service (FastAPI on uvicorn)", _add_serve, _serve),
+    "demo": ("run everything on this machine and show reward groups", _add_demo, _demo),
+    "up": ("start vLLM, refenv (pool 8) and the service; keep them up until Ctrl-C", _add_up, _up),
+    "vllm": ("prepare the embedded default model and run a local vLLM server for it", _add_vllm, _vllm),
+    "export": ("write SFT records from a run log (distillation, rejection sampling)", _add_export, _export),
+    "keys": ("write the service's two keys to FILE (mode 0600) unless it holds them already", _add_keys, _keys),
+    "env-token": (
+        "write the envs' token to FILE and FILE.env (mode 0600) unless FILE holds one already",
+        _add_env_token,
+        _env_token,
+    ),
+    "vllm-key": (
+        "write the model servers' key to FILE and FILE.env (mode 0600) unless FILE holds one already",
+        _add_vllm_key,
+        _vllm_key,
+    ),
+    "measure": ("pass rate of the policy on an eval-side env, with a 95%% interval", _add_measure, _measure),
+    "loadtest": ("drive a running service (on this machine) like a fleet of trainers", _add_loadtest, _loadtest),
+    "ray": ("run the stack on a Ray cluster: up, scale, status, down (needs the `ray` extra)", _add_ray, _ray),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or (`only`) one where just that command has its flags: the others are listed by
+    name and help line, and choosing one of them is answered by `main` with its own parser."""
     parser = argparse.ArgumentParser(
         prog="rollout-service", description="vLLM-backed rollout service for RL post-training of agents"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve(sub)
-    _add_demo(sub)
-    _add_up(sub)
-    _add_vllm(sub)
-    _add_export(sub)
-    _add_keys(sub)
-    _add_env_token(sub)
-    _add_measure(sub)
-    _add_loadtest(sub)
-    _add_ray(sub)
+    for name, (text, add, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=text)
+        if only is None or name == only:
+            add(p)
     return parser
 
 
+def _chosen(argv: list[str]) -> str | None:
+    """The command argv names: its first word that is not an option (the top level takes no values)."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    commands = {
-        "serve": _serve,
-        "demo": _demo,
-        "up": _up,
-        "vllm": _vllm,
-        "export": _export,
-        "keys": _keys,
-        "env-token": _env_token,
-        "measure": _measure,
-        "loadtest": _loadtest,
-        "ray": _ray,
-    }
-    return commands[args.command](args)
+    argv = sys.argv[1:] if argv is None else argv
+    command = _chosen(argv)
+    # An unknown or missing command gets argparse's own error, naming the choices, from the light parser.
+    args = build_parser(only=command or "").parse_args(argv)
+    return COMMANDS[args.command][2](args)
 
 
 if __name__ == "__main__":

@@ -37,17 +37,20 @@ class LoadSpec:
     grace_s: float = 120.0  # after the duration, how long in-flight batches may take to finish
 
 
-def require_loopback(url: str) -> None:
-    """The load test only ever targets this machine."""
+def is_loopback(url: str) -> bool:
     host = urlparse(url).hostname or ""
     if host == "localhost":
-        return
+        return True
     try:
-        if ipaddress.ip_address(host).is_loopback:
-            return
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        pass
-    raise ValueError(f"{url}: the load test only targets loopback addresses (127.0.0.0/8, ::1, localhost)")
+        return False
+
+
+def require_loopback(url: str) -> None:
+    """The load test only ever targets this machine."""
+    if not is_loopback(url):
+        raise ValueError(f"{url}: the load test only targets loopback addresses (127.0.0.0/8, ::1, localhost)")
 
 
 @dataclass
@@ -70,9 +73,9 @@ async def run_load(spec: LoadSpec, progress=print) -> dict:
         if not spec.tasks:
             raise ValueError("the service lists no task")
         detail = await client.health_detail()
-        envs = [e["url"] for e in detail["envs"]]
-        for url in envs:
-            require_loopback(url)
+        # The envs' own counters are read where the env is on this machine's loopback; one the service
+        # reaches on its own network (compose: http://env:8090) is measured from the service's side only.
+        envs = [e["url"] for e in detail["envs"] if is_loopback(e["url"])]
         pools = {e["url"]: e["pool"] for e in detail["envs"]}
         before = await _snapshot(client, envs)
         tally = _Tally(started=time.monotonic())
@@ -255,11 +258,15 @@ def format_report(r: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    """Throughput and latency over time, and pool occupancy, to a PNG."""
-    import matplotlib
+    """Throughput and latency over time, and pool occupancy, to a PNG. ValueError, saying what to install,
+    where matplotlib is not (the service's image has no plotting: the `bench` extra brings it)."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'rollout-service[bench]'") from None
 
     groups, samples = r["timeline"]["groups"], r["timeline"]["samples"]
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)

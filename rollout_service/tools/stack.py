@@ -16,6 +16,7 @@ import httpx
 
 from inference import embedded_model, local_server
 
+from ..keys import VLLM_KEY_VAR, ensure_vllm_key
 from ..listening import read_port_file
 
 
@@ -44,13 +45,14 @@ def start_listening(
     *,
     ready_path: str = "/health",
     timeout_s: float = 60,
+    env: dict[str, str] | None = None,
 ) -> ManagedProcess:
     """Start `cmd`, a server that binds the port it is given (0: one the system picks) and writes it
     to `--port-file` (refenv, the service, the benchmarks' stand-ins), logging to `log_dir/name.log`;
     it is in `started` (to be stopped) from the moment it starts. Its port is `.port` once it answers
     `ready_path` with 200."""
     port_file = fresh_port_file(log_dir, name)
-    proc = ManagedProcess(name, [*cmd, "--port-file", str(port_file)], log_dir / f"{name}.log")
+    proc = ManagedProcess(name, [*cmd, "--port-file", str(port_file)], log_dir / f"{name}.log", env)
     started.append(proc)
     proc.start()
     proc.wait_listening(port_file, ready_path, timeout_s)
@@ -107,10 +109,12 @@ def launch_embedded_vllm(
     kv_cache_gib: int = 4,
     eager: bool = False,
     die_with_parent: bool = False,
+    api_key: str | None = None,
     extra: list[str] | None = None,
 ) -> ManagedProcess:
     """start_embedded_vllm without the wait: the process is started, not yet answering (its start-up
-    can overlap other work; poll /v1/models before use). `extra`: more of vLLM's flags."""
+    can overlap other work; poll /v1/models before use). `api_key`: the key its /v1/* requires, given to
+    vLLM in its environment (never on its command line, which `ps` shows). `extra`: more of vLLM's flags."""
     model_dir = embedded_model.prepare()
     cmd = local_server.vllm_command(
         model_dir,
@@ -119,6 +123,8 @@ def launch_embedded_vllm(
         extra=[*(["--enforce-eager"] if eager else []), *(extra or [])],
     )
     env = local_server.vllm_environment(kv_cache_gib=kv_cache_gib)
+    if api_key is not None:
+        env[VLLM_KEY_VAR] = api_key
     proc = ManagedProcess(name, cmd, log_path, env, die_with_parent=die_with_parent, port=port)
     proc.start()
     return proc
@@ -137,6 +143,7 @@ def start_embedded_vllm(
     eager: bool = False,
     progress: Callable[[float], None] | None = None,
     timeout_s: float = 900,
+    api_key: str | None = None,
     extra: list[str] | None = None,
 ) -> ManagedProcess:
     """The embedded default model (prepared once) on a local vLLM at loopback `port`, started and
@@ -148,10 +155,16 @@ def start_embedded_vllm(
     for attempt in range(1, VLLM_PORT_TRIES + 1):
         log_start = log_path.stat().st_size if log_path.exists() else 0
         proc = launch_embedded_vllm(
-            port or free_port(), log_path, name=name, kv_cache_gib=kv_cache_gib, eager=eager, extra=extra
+            port or free_port(),
+            log_path,
+            name=name,
+            kv_cache_gib=kv_cache_gib,
+            eager=eager,
+            api_key=api_key,
+            extra=extra,
         )
         try:
-            proc.wait_http(f"{proc.url}/v1/models", timeout_s=timeout_s, progress=progress)
+            proc.wait_http(f"{proc.url}/v1/models", timeout_s=timeout_s, progress=progress, api_key=api_key)
             return proc
         except StackError:
             exited = not proc.alive()  # not a timeout: it ended by itself
@@ -318,9 +331,16 @@ class ManagedProcess:
         return self.url
 
     def wait_http(
-        self, url: str, timeout_s: float, progress: Callable[[float], None] | None = None, every_s: float = 10.0
+        self,
+        url: str,
+        timeout_s: float,
+        progress: Callable[[float], None] | None = None,
+        every_s: float = 10.0,
+        api_key: str | None = None,
     ) -> None:
-        """Poll `url` until it answers 200; fail early if the process dies."""
+        """Poll `url` (with `api_key` as a bearer token, if given) until it answers 200; fail early if the
+        process dies."""
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         started = last = time.monotonic()
         while True:
             if self.proc is None or self.proc.poll() is not None:
@@ -329,7 +349,7 @@ class ManagedProcess:
                     f"{self.name} exited with code {code} while starting (log: {self.log_path}):\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
+                if httpx.get(url, timeout=2.0, headers=headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -359,6 +379,8 @@ class LocalStack:
     say: Callable[[str], None] = print
     processes: list[ManagedProcess] = field(default_factory=list)
     model: str = embedded_model.MODEL_NAME
+    # The key the vLLM it starts requires (log_dir/vllm.key) and the service sends; None with vllm_url.
+    vllm_api_key: str | None = None
 
     @property
     def urls(self) -> dict[str, str]:
@@ -390,12 +412,19 @@ class LocalStack:
         log_path = self.log_dir / "vllm.log"
         where = f"on port {self.vllm_port}" if self.vllm_port else "on a free port"
         self.say(f"[vllm] starting {where} (the first start compiles for ~2 minutes; log: {log_path})")
+        # Keyed like a deployment's replicas (on loopback other users of this machine could generate):
+        # generated once into the log folder, mode 0600, for whoever wants to ask vLLM directly.
+        key_file = ensure_vllm_key(self.log_dir / "vllm.key")
+        self.vllm_api_key = key_file.read_text().strip()
         proc = start_embedded_vllm(
-            self.vllm_port or None, log_path, progress=lambda s: self.say(f"[vllm] still starting... {s:.0f}s")
+            self.vllm_port or None,
+            log_path,
+            progress=lambda s: self.say(f"[vllm] still starting... {s:.0f}s"),
+            api_key=self.vllm_api_key,
         )
         self.vllm_port = proc.port
         self.processes.append(proc)
-        self.say(f"[vllm] ready at {self.urls['vllm']}")
+        self.say(f"[vllm] ready at {self.urls['vllm']} (its key: {key_file})")
 
     def start_refenv(self) -> None:
         cmd = refenv_command(self.refenv_port or 0, "--pool", str(self.pool), *self.refenv_args)
@@ -411,19 +440,23 @@ class LocalStack:
             "--startup-timeout",
             "30",
             *self.service_args,
+            *(["--vllm-api-key-env", VLLM_KEY_VAR] if self.vllm_api_key else []),
             model=self.model,
         )
-        self.service_port = self.spawn_listening("service", cmd)
+        env = {**os.environ, VLLM_KEY_VAR: self.vllm_api_key} if self.vllm_api_key else None
+        self.service_port = self.spawn_listening("service", cmd, env=env)
         self.say(f"[service] ready at {self.urls['service']}")
 
     def process(self, name: str) -> ManagedProcess:
         """The running process `name` ("vllm", "refenv" or "service")."""
         return next(p for p in self.processes if p.name == name)
 
-    def spawn_listening(self, name: str, cmd: list[str], ready_path: str = "/health") -> int:
+    def spawn_listening(
+        self, name: str, cmd: list[str], ready_path: str = "/health", env: dict[str, str] | None = None
+    ) -> int:
         """Start `cmd`, a server of ours (refenv, its teacher, the service), with `--port-file`; the port
         it bound (port 0 in `cmd`: one the system picked), once it answers `ready_path`."""
-        proc = start_listening(name, cmd, self.log_dir, self.processes, ready_path=ready_path)
+        proc = start_listening(name, cmd, self.log_dir, self.processes, ready_path=ready_path, env=env)
         assert proc.port is not None
         return proc.port
 

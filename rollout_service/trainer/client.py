@@ -435,11 +435,14 @@ class RolloutClient(_BaseClient):
         self._raise_for(response)
         return EnvRemoved.model_validate_json(response.content)
 
-    def add_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
+    def add_replica(
+        self, url: str, *, role: str = "policy", timeout_s: float = 300.0, api_key_env: str | None = None
+    ) -> ReplicaState:
         """Route to one more model server replica; a policy one once it serves the current version
         (`routed` says whether it does by `timeout_s`). RequestRejected `policy_busy` if a policy
-        update still runs at `timeout_s` (a replica joins between them): add it again."""
-        body = self._body(ReplicaAdd, url=url, role=role, timeout_s=timeout_s)
+        update still runs at `timeout_s` (a replica joins between them): add it again. `api_key_env`: the
+        variable in the service's environment holding the key the replica requires (default the route's)."""
+        body = self._body(ReplicaAdd, url=url, role=role, timeout_s=timeout_s, api_key_env=api_key_env)
         response = self._http.post("/replicas", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
@@ -602,8 +605,10 @@ class AsyncRolloutClient(_BaseClient):
         self._raise_for(response)
         return EnvRemoved.model_validate_json(response.content)
 
-    async def add_replica(self, url: str, *, role: str = "policy", timeout_s: float = 300.0) -> ReplicaState:
-        body = self._body(ReplicaAdd, url=url, role=role, timeout_s=timeout_s)
+    async def add_replica(
+        self, url: str, *, role: str = "policy", timeout_s: float = 300.0, api_key_env: str | None = None
+    ) -> ReplicaState:
+        body = self._body(ReplicaAdd, url=url, role=role, timeout_s=timeout_s, api_key_env=api_key_env)
         response = await self._http.post("/replicas", json=body, timeout=None, headers=self._admin_headers)
         self._raise_for(response)
         return ReplicaState.model_validate_json(response.content)
