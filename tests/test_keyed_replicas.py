@@ -59,7 +59,8 @@ def test_a_replica_added_by_url_is_sent_the_key_its_variable_names(stack, tmp_pa
     """A second service (started on the stack's vLLM with the key in VLLM_KEY_A) is given the same vLLM
     under another URL with `api_key_env: VLLM_KEY_B`: it is added and serves a group once the first URL is
     removed; named with a variable holding a wrong key, it is not added (it answers that key 401). A variable
-    that is unset, or that holds the service's own key, is refused with 422."""
+    that is unset, not listed in --replica-key-envs, or that holds the service's own key, is refused with 422.
+    Break tried: the --replica-key-envs check skipped -> `HOME` is read and sent, no 422, fails."""
     port = stack.urls["vllm"].rsplit(":", 1)[1]
     env = {
         **os.environ,
@@ -78,6 +79,14 @@ def test_a_replica_added_by_url_is_sent_the_key_its_variable_names(stack, tmp_pa
         "ADMIN_KEY",
         "--api-key-env",
         "ADMIN_KEY",
+        "--replica-key-envs",
+        "VLLM_KEY_B",
+        "--replica-key-envs",
+        "VLLM_KEY_WRONG",
+        "--replica-key-envs",
+        "VLLM_KEY_UNSET",
+        "--replica-key-envs",
+        "ADMIN_KEY",
     )
     started: list = []
     try:
@@ -86,6 +95,9 @@ def test_a_replica_added_by_url_is_sent_the_key_its_variable_names(stack, tmp_pa
             with pytest.raises(RequestRejected) as unset:
                 client.add_replica(f"http://localhost:{port}", api_key_env="VLLM_KEY_UNSET", timeout_s=30)
             assert unset.value.status == 422 and unset.value.error == "replica_key_missing"
+            with pytest.raises(RequestRejected) as unlisted:  # any other variable of the service's
+                client.add_replica(f"http://localhost:{port}", api_key_env="HOME", timeout_s=30)
+            assert unlisted.value.status == 422 and unlisted.value.error == "replica_key_not_allowed"
             with pytest.raises(RequestRejected) as own:
                 client.add_replica(f"http://localhost:{port}", api_key_env="ADMIN_KEY", timeout_s=30)
             assert own.value.status == 422 and own.value.error == "replica_key_refused"

@@ -111,6 +111,12 @@ class ServiceConfig(BaseModel):
         "--api-key; compose, ray up and rollout-service up set it); a replica added by POST /replicas gets it "
         "unless it names its own api_key_env",
     )
+    replica_key_envs: Annotated[list[str], Flag(metavar="VAR")] = Field(
+        default_factory=list,
+        description="the variables POST /replicas may name as a replica's api_key_env (besides "
+        "--vllm-api-key-env's): a key is read from the service's environment only under a name listed here, so "
+        "the admin key cannot have any other variable of the service's (a cloud credential) sent to a backend",
+    )
     max_requests_per_second: Annotated[float | None, Flag(metavar="R")] = Field(
         None, gt=0, description="cap on chat requests per second to each model route"
     )

@@ -68,6 +68,8 @@ class ReplicaRegistry:
         self.adding: set[str] = set()  # replicas being added, not yet routed
         # The service's own secrets: a replica added by URL may not be sent one of them as its key.
         self._own_secrets = {v for v in (config.api_key_env, config.admin_key_env, config.env_token_env) if v}
+        # What it may be sent: only variables the operator listed at start (--replica-key-envs).
+        self._replica_keys = {*config.replica_key_envs, *([config.vllm_api_key_env] if config.vllm_api_key_env else [])}
 
     def model_routes(self) -> list[tuple[str, ModelRoute]]:
         """Every model the service may ask, with the role /health names it by."""
@@ -119,6 +121,13 @@ class ReplicaRegistry:
             raise Invalid(
                 "replica_key_refused",
                 f"api_key_env {body.api_key_env} holds one of the service's own keys: name the replica's key",
+            )
+        if body.api_key_env not in self._replica_keys:
+            listed = ", ".join(sorted(self._replica_keys)) or "none"
+            raise Invalid(
+                "replica_key_not_allowed",
+                f"api_key_env {body.api_key_env} is not a variable this service may send to a replica (listed "
+                f"at start with --replica-key-envs or --vllm-api-key-env: {listed})",
             )
         key = os.environ.get(body.api_key_env)
         if not key:
