@@ -52,7 +52,7 @@ import reference_report
 from inference import embedded_model
 from rollout_service import ndjson
 from rollout_service.protocol import GRADED_STATUSES, Attempt, GroupResult
-from rollout_service.sampler_protocol import StreamState
+from rollout_service.sampler_protocol import MAX_IDLE_TIMEOUT_S, StreamState
 from rollout_service.server.config import ServiceConfig
 from rollout_service.tools.measure import run_measure
 from rollout_service.tools.stack import LocalStack, refenv_command
@@ -685,7 +685,8 @@ class Run:
             "group": template,
             "filter": "signal",
             "seed": s.seed,
-            "idle_timeout_s": 3 * 3600,  # a measurement between pulls takes minutes on a CPU
+            # A measurement between pulls takes minutes on a CPU: the longest a stream may wait.
+            "idle_timeout_s": MAX_IDLE_TIMEOUT_S,
         }
         if s.skip_pass_rate_above is not None or s.skip_pass_rate_below is not None:
             fields["difficulty"] = {
