@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,42 +40,39 @@ class StreamCaps:
             )
         mine = [s for s in open_ if s.caller == caller]
         buffered = sum(s.body.buffer for s in open_)
-        need = 1  # streams that must go before it fits
         if len(open_) >= self.streams:
-            error, why, holders = "too_many_streams", f"{len(open_)} sampler streams are open", open_
-            flag, cap = "--max-sampler-streams", self.streams
+            error, why, flag, cap = (
+                "too_many_streams",
+                f"{len(open_)} sampler streams are open",
+                "--max-sampler-streams",
+                self.streams,
+            )
+            wait = _seconds_until_room(open_, lambda _: 1, 1)
         elif len(mine) >= self.per_key:
-            error, why, holders = "too_many_streams_for_key", f"{len(mine)} streams opened with this key are open", mine
+            error, why = "too_many_streams_for_key", f"{len(mine)} streams opened with this key are open"
             flag, cap = "--max-sampler-streams-per-key", self.per_key
+            wait = _seconds_until_room(mine, lambda _: 1, 1)
         elif buffered + body.buffer > self.buffer:
-            error, holders = "sampler_buffer_full", open_
+            error = "sampler_buffer_full"
             why = f"the open streams' buffers hold {buffered} groups and this one asks {body.buffer}"
             flag, cap = "--max-sampler-buffer", self.buffer
-            need = _streams_to_free(open_, buffered + body.buffer - self.buffer)
+            wait = _seconds_until_room(open_, lambda s: s.body.buffer, buffered + body.buffer - self.buffer)
         else:
             return
-        wait = expiry(holders, need)
         raise TooBusy(
             error,
             f"{why}: this service's cap is {cap} ({flag}). Delete a stream you no longer pull "
-            f"(DELETE /samplers/{{id}}), or retry in {wait}s, when the soonest of them expires unpulled",
+            f"(DELETE /samplers/{{id}}), or retry in {wait}s, when enough of them will have expired unpulled",
             retry_after_s=wait,
         )
 
 
-def _streams_to_free(streams: list[OpenStream], groups: int) -> int:
-    """How many of `streams`, in the order they would expire, must go to free `groups` of buffer."""
-    now, freed = time.monotonic(), 0
-    for count, stream in enumerate(sorted(streams, key=lambda s: s.expires_in(now)), start=1):
-        freed += stream.body.buffer
-        if freed >= groups:
-            return count
-    return len(streams)
-
-
-def expiry(streams: list[OpenStream], count: int = 1) -> int:
-    """Whole seconds (at least 1) until `count` of `streams` would have expired if nobody pulls them; a
-    stream being pulled counts its whole idle timeout from now."""
-    now = time.monotonic()
-    left = sorted(s.expires_in(now) for s in streams)
-    return max(1, math.ceil(left[min(count, len(left)) - 1] if left else 1.0))
+def _seconds_until_room(streams: list[OpenStream], frees: Callable[[OpenStream], int], room: int) -> int:
+    """Whole seconds (at least 1) until `streams`, expiring unpulled soonest first (a stream being pulled:
+    its whole idle timeout from now), have freed `room`, each freeing `frees(stream)`."""
+    now, freed, left = time.monotonic(), 0, 1.0
+    for stream in sorted(streams, key=lambda s: s.expires_in(now)):
+        freed, left = freed + frees(stream), stream.expires_in(now)
+        if freed >= room:
+            break
+    return max(1, math.ceil(left))
