@@ -152,8 +152,10 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         redirect_slashes=False,
     )
     app.state.service = service
-    app.include_router(router)
-    app.include_router(sampler_router)
+    for feature in (router, sampler_router):
+        # The routes themselves, not the router: PlaneAuth must see each route as the app's router
+        # matches it, and FastAPI 0.137+ keeps an included router as one opaque entry of app.routes.
+        app.router.routes.extend(feature.routes)
     unmarked = unmarked_routes(app.router.routes)
     if unmarked:  # a route on no plane would be served to whichever key the default let in
         raise RuntimeError(f"routes declared without a plane (auth.on_plane): {unmarked}")
