@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import installed_version
 from ..protocol import describe_errors
+from ..viewer import attach_viewer
 from .api import router
 from .auth import PlaneAuth, service_keys, unmarked_routes
 from .config import ServiceConfig
@@ -153,6 +154,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     app.state.service = service
     app.include_router(router)
     app.include_router(sampler_router)
+    attach_viewer(app)  # the run viewer at /ui (rollout_service/viewer)
     unmarked = unmarked_routes(app.router.routes)
     if unmarked:  # a route on no plane would be served to whichever key the default let in
         raise RuntimeError(f"routes declared without a plane (auth.on_plane): {unmarked}")

@@ -268,6 +268,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_view(p: argparse.ArgumentParser) -> None:
+    from ..viewer.serve import add_flags
+
+    add_flags(p)
+
+
+def _view(args: argparse.Namespace) -> int:
+    from ..viewer.serve import run
+
+    return run(args)
+
+
 def _add_keys(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Write ROLLOUT_API_KEY= and ROLLOUT_ADMIN_KEY= lines to FILE (mode 0600, never through a "
@@ -565,6 +577,7 @@ COMMANDS: dict[str, _Command] = {
     "up": ("start vLLM, refenv (pool 8) and the service; keep them up until Ctrl-C", _add_up, _up),
     "vllm": ("prepare the embedded default model and run a local vLLM server for it", _add_vllm, _vllm),
     "export": ("write SFT records from a run log (distillation, rejection sampling)", _add_export, _export),
+    "view": ("serve the run viewer over a run log, read-only (loopback by default)", _add_view, _view),
     "keys": ("write the service's two keys to FILE (mode 0600) unless it holds them already", _add_keys, _keys),
     "env-token": (
         "write the envs' token to FILE and FILE.env (mode 0600) unless FILE holds one already",

@@ -1,0 +1,20 @@
+"""The run viewer: pages in the browser over a live service (`/ui`) or a run log (`rollout-service view`).
+
+Read-only. The page and its assets ship in this package (static/): nothing loads from elsewhere.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from .live import LiveBook, hook
+from .routes import SecurityHeaders, router
+
+
+def attach_viewer(app: FastAPI) -> None:
+    """The viewer on the service's app: its routes, its book of recent groups, its headers."""
+    book = LiveBook(app.state.service)
+    app.state.viewer = book
+    hook(app, book)
+    app.include_router(router)
+    app.add_middleware(SecurityHeaders)
