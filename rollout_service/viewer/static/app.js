@@ -226,7 +226,7 @@
     if (a.failure) box.append(failureView(a.failure, "failed"));
     for (const f of a.earlier_failures || []) box.append(failureView(f, "earlier try failed"));
     if (a.answer !== null && a.answer !== undefined) box.append(el("div", { class: "role", text: "answer" }), el("pre", { text: typeof a.answer === "string" ? a.answer : JSON.stringify(a.answer, null, 2) }));
-    if (a.score) box.append(el("div", { class: "role", text: "score (the env's)" }), el("pre", { class: "score", text: JSON.stringify(a.score, null, 2) }));
+    if (a.score) box.append(el("details", { class: "score" }, el("summary", { text: "score (the env's own object)" }), el("pre", { text: JSON.stringify(a.score, null, 2) })));
     a.turns.forEach((t, i) => box.append(turnView(t, i ? a.turns[i - 1] : null)));
     for (const [i, seg] of (a.trajectory || []).entries()) {
       box.append(el("div", { class: "role", text: `exact trajectory segment ${i}: ${seg.token_ids.length} tokens (grey: not trainable; colour: the sampled token's probability)` }), tokenStrip(seg.token_ids, seg.logprobs, seg.loss_mask));
@@ -247,7 +247,7 @@
       ["failure", (a) => (a.failure ? `${a.failure.kind} (${a.failure.attribution})` : "–")],
     ];
     const side = el("table", { id: "attempts" }, el("tr", {}, el("th", { text: "attempt" }), ...g.attempts.map((a) => el("th", {}, el("a", { href: `#/group/${seq}/${a.index}`, text: String(a.index) })))));
-    for (const [name, value] of rows) side.append(el("tr", {}, el("th", { text: name }), ...g.attempts.map((a) => el("td", { class: a.failure && name === "status" ? "badge failed" : "", text: value(a) }))));
+    for (const [name, value] of rows) side.append(el("tr", {}, el("th", { text: name }), ...g.attempts.map((a) => el("td", { class: a.failure && name === "status" ? "failed" : "", text: value(a) }))));
     const head = el("p", { text: `task ${g.task_id} (${g.slug}) · group ${g.group_id} · versions ${g.oldest_policy_version || "–"}…${g.newest_policy_version || "–"} · mean ${fmt(g.mean)} · std ${fmt(g.std)} · pass ${pct(g.pass_rate)} · ${g.all_equal ? "no signal (all rewards equal)" : "signal"} · ${fmt(g.wall_s)} s` });
     const nodes = [el("h2", { text: `Group ${seq}` }), head];
     if (g.diagnosis) nodes.push(el("p", { class: "note", text: g.diagnosis }));
