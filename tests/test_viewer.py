@@ -128,10 +128,10 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     """Overview charts drawn from a live run, the group list and its filters, a group's attempts and
     turns with token logprobs, the task table; then the same pages over the run log with the service
     gone. Hostile text from the env is shown as text and runs nothing.
-    Break tried: the page's text helper writing `innerHTML` instead of `textContent` -> the hostile
-    text is no longer on the page as text and an <img> appears in <main> (and with the CSP header
-    dropped as well, window.__pwned is set); the live book not fed (`hook` without
-    `admission.on_result`) -> the group list stays empty."""
+    Breaks tried: the page's text helper (`el`, app.js) writing `innerHTML` instead of `textContent`
+    -> fails: the hostile text is no longer on the page as text; the same with the CSP header dropped
+    too (and the text checks skipped) -> fails: window.__pwned was set by the <img onerror>; the live
+    book not fed (`hook` leaving `admission.on_result` alone) -> fails: the overview counts 0 groups."""
     refenv = start_refenv("--pool", "2")
     hostile = launch("hostile-env", None, [sys.executable, str(HOSTILE_ENV), "--port", "0"])
     runs = tmp_path / "runs"
@@ -229,16 +229,11 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     _open(browser, f"{url}/ui#/tasks")
     table = browser.find_element("id", "tasks")
     names = [r.text.split()[0] for r in table.find_elements("css selector", "tr")[1:]]
-    assert sorted(names) == sorted({"t001", "t002", "hostile"} & set(names)) and "hostile" in names, names
+    assert "hostile" in names and set(names) <= {"t001", "t002", "hostile"} and len(set(names)) == len(names), names
     header = table.find_elements("css selector", "th.sortable")[0]
     header.click()
-    assert wait_until(
-        lambda: (
-            [r.text.split()[0] for r in browser.find_elements("css selector", "#tasks tr")[1:]]
-            == sorted(names, reverse=True)
-        ),
-        10,
-    )
+    shown = "return [...document.querySelectorAll('#tasks tr td:first-child')].map((td) => td.textContent)"
+    assert wait_until(lambda: browser.execute_script(shown) == sorted(names, reverse=True), 10)
     assert browser.find_elements("css selector", "#tasks svg.spark circle")
     _shot(browser, tmp_path, "tasks")
 
