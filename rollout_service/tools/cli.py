@@ -227,7 +227,8 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _add_export(p: argparse.ArgumentParser) -> None:
+def _add_run_log(p: argparse.ArgumentParser) -> None:
+    """The run log a command reads: `run` and --runs-dir (export, view)."""
     from ..server.config import ENV_PREFIX
 
     p.add_argument("run", help="a run id (in --runs-dir) or a path to a run log (.jsonl)")
@@ -237,6 +238,10 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         default=Path(os.environ.get(f"{ENV_PREFIX}RUNS_DIR") or "runs"),
         help=f"where run logs are (default runs, or ${ENV_PREFIX}RUNS_DIR)",
     )
+
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    _add_run_log(p)
     p.add_argument("--stage", default="executor", help="the stage whose turns to keep (default executor)")
     p.add_argument("--min-reward", type=float, default=0.0, help="keep attempts with reward >= this (default 0)")
     p.add_argument("--best-of-group", action="store_true", help="keep only each group's best attempt")
@@ -269,9 +274,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _add_view(p: argparse.ArgumentParser) -> None:
-    from ..viewer.serve import add_flags
-
-    add_flags(p)
+    _add_run_log(p)
+    p.add_argument("--listen", default="127.0.0.1:8095", help="HOST:PORT (default 127.0.0.1:8095; port 0: any)")
+    p.add_argument("--port-file", type=Path, help="once listening, write the port here")
+    p.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="the variable holding the key the page must send (needed off loopback: a run log holds every prompt)",
+    )
 
 
 def _view(args: argparse.Namespace) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -15,21 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..server.app import _http_error, _validation_error
 from ..server.auth import Keys, Plane, PlaneAuth, loopback_listen, on_plane
-from ..server.config import ENV_PREFIX
 from .routes import PREFIX, SecurityHeaders, router
 from .runlog_book import RunLogBook
-
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="a run id (in --runs-dir) or a path to a run log (.jsonl)")
-    p.add_argument("--runs-dir", type=Path, default=Path(os.environ.get(f"{ENV_PREFIX}RUNS_DIR") or "runs"))
-    p.add_argument("--listen", default="127.0.0.1:8095", help="HOST:PORT (default 127.0.0.1:8095; port 0: any)")
-    p.add_argument("--port-file", type=Path, help="once listening, write the port here")
-    p.add_argument(
-        "--api-key-env",
-        metavar="VAR",
-        help="the variable holding the key the page must send (needed off loopback: run logs hold every prompt)",
-    )
 
 
 def create_view_app(book: RunLogBook, key: str | None) -> FastAPI:
