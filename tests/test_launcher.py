@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 from helpers import wait_until
 
-from rollout_service.tools.stack import ManagedProcess
+from rollout_service.launch.stack import ManagedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = """
 import sys, threading, time
 from pathlib import Path
-from rollout_service.tools.stack import ManagedProcess
+from rollout_service.launch.stack import ManagedProcess
 threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
 sleeper = (
     "import subprocess, sys, time; "

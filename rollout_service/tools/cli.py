@@ -43,8 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ..flags import parse_listen, settings_from
     from ..listening import ReportingServer
-    from ..server.app import create_app
     from ..server.config import ENV_PREFIX, ServiceConfig
+    from ..server.http.app import create_app
     from ..server.logs import configure_logging
 
     class _Server(ReportingServer):
@@ -122,14 +122,13 @@ def _add_vllm(p: argparse.ArgumentParser) -> None:
 
 
 def _vllm(args: argparse.Namespace) -> int:
-    from inference import embedded_model, local_server
-
     from ..keys import VLLM_KEY_VAR
+    from ..launch import embedded_model, vllm_server
 
-    if local_server.installed_vllm() is None:
+    if vllm_server.installed_vllm() is None:
         print("rollout-service vllm: vLLM is not installed here (`make setup` installs the CPU build)", file=sys.stderr)
         return 2
-    environment = local_server.vllm_environment(dev_mode=args.host in ("127.0.0.1", "localhost", "::1"))
+    environment = vllm_server.vllm_environment(dev_mode=args.host in ("127.0.0.1", "localhost", "::1"))
     if args.api_key_file is not None:
         try:
             key = args.api_key_file.read_text().strip()
@@ -141,7 +140,7 @@ def _vllm(args: argparse.Namespace) -> int:
             return 2
         environment[VLLM_KEY_VAR] = key
     model_dir = embedded_model.prepare()
-    cmd = local_server.vllm_command(
+    cmd = vllm_server.vllm_command(
         model_dir,
         served_name=embedded_model.MODEL_NAME,
         host=args.host,
@@ -166,7 +165,7 @@ def _add_up(p: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from .stack import LocalStack, StackError
+    from ..launch.stack import LocalStack, StackError
 
     stack = LocalStack(
         log_dir=args.logs,
@@ -328,7 +327,7 @@ def _secret_file_command(
         p.add_argument("file", type=Path)
 
     def run(args: argparse.Namespace) -> int:
-        from .. import keys
+        from rollout_service import keys
 
         return _write_secrets(args.command, getattr(keys, ensure), args.file)
 

@@ -16,5 +16,6 @@ def attach_viewer(app: FastAPI) -> None:
     book = LiveBook(app.state.service)
     app.state.viewer = book
     hook(app, book)
-    app.include_router(router)
+    # The routes themselves, not the router: PlaneAuth matches the app's own route list (see http/app.py).
+    app.router.routes.extend(router.routes)
     app.add_middleware(SecurityHeaders)

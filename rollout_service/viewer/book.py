@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from ..protocol import GroupResult
-from ..server.task_stats import graded_rewards, has_signal
+from ..server.sampler.task_stats import graded_rewards, has_signal
 
 MAX_PAGE = 100  # groups per page of the list: never a page that loads every group
 

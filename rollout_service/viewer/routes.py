@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..protocol import GroupResult
-from ..server.auth import Plane, on_plane
+from ..server.http.auth import Plane, on_plane
 from .book import MAX_PAGE, GroupPage, GroupQuery
 from .overview import Overview, TaskRow
 

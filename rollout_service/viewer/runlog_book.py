@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from ..protocol import GroupResult
 from ..server.metrics import Metrics
-from ..server.task_stats import TaskStatsBook
+from ..server.sampler.task_stats import TaskStatsBook
 from .book import GroupPage, GroupQuery, GroupSummary, RunTally, page, summarize
 from .overview import Overview, RunPoint, TaskRow
 

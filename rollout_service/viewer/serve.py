@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..server.app import _http_error, _validation_error
-from ..server.auth import Keys, Plane, PlaneAuth, loopback_listen, on_plane
+from ..server.http.app import _http_error, _validation_error
+from ..server.http.auth import Keys, Plane, PlaneAuth, loopback_listen, on_plane
 from .routes import PREFIX, SecurityHeaders, router
 from .runlog_book import RunLogBook
 
@@ -21,7 +21,8 @@ from .runlog_book import RunLogBook
 def create_view_app(book: RunLogBook, key: str | None) -> FastAPI:
     app = FastAPI(title="rollout-service view", redirect_slashes=False, openapi_url=None, docs_url=None)
     app.state.viewer = book
-    app.include_router(router)
+    # The routes themselves, not the router: PlaneAuth matches the app's own route list (see http/app.py).
+    app.router.routes.extend(router.routes)
 
     @app.get("/", openapi_extra=on_plane(Plane.PUBLIC), include_in_schema=False)
     async def home() -> Response:
