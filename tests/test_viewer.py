@@ -149,6 +149,11 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     assert httpx.get(f"{url}/ui/api/overview").status_code == 401
     assert httpx.get(f"{url}/ui/assets/app.js").headers["content-security-policy"] == CSP
     assert httpx.get(f"{url}/ui/assets/nothing.js").status_code == 404
+    # A user's mistakes are clear errors: a group not held, a page too large.
+    missing = httpx.get(f"{url}/ui/api/groups/999", headers=auth)
+    assert missing.status_code == 404 and "view RUNLOG" in missing.json()["message"], missing.text
+    too_many = httpx.get(f"{url}/ui/api/groups?limit=1000", headers=auth)
+    assert too_many.status_code == 422 and "limit" in too_many.json()["message"], too_many.text
 
     # A real run: refenv groups through a sampler stream (so the hand-out lag has groups), and one
     # hostile group of 3 (one scored 1, one 0, one failed at reset: tests/hostile_env.py).

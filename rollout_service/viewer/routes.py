@@ -110,7 +110,7 @@ async def group(seq: int, request: Request) -> Response:
     if result is None:
         raise HTTPException(
             404,
-            f"group {seq} is not held: the live viewer keeps the newest groups only (`rollout-service view "
+            f"no group {seq} here: the live viewer keeps the newest groups only (`rollout-service view "
             "RUNLOG` reads every group of a run log)",
         )
     return Response(result.model_dump_json(by_alias=True), media_type="application/json")
