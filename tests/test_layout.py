@@ -262,7 +262,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("rollout_service.server.groups",),
     ("rollout_service.server.sampler",),
     ("rollout_service.server.service", "rollout_service.server.status"),
-    ("rollout_service.server.http",),
+    ("rollout_service.server.http", "rollout_service.viewer"),  # the viewer: pages the app serves (/ui)
     ("rollout_service.cluster",),
     ("rollout_service.tools",),
 ]
