@@ -1,13 +1,18 @@
 """The viewer over a run log (`rollout-service view RUNLOG`): the file indexed once (a byte offset and a
 summary per group; a group's page reads its one line again), and indexed on from where it stopped
 whenever asked, so a log the service still writes shows its new groups. Read-only: the file is never
-written. Memory: a summary per group (a few hundred bytes), never the groups themselves.
+written. Memory: a summary per group (about 2 KB), never the groups themselves.
+
+The file may change under the viewer: truncated or replaced (the index starts over), deleted or
+unreadable (the index made so far stays, and a group's page says the log changed), or end in a line
+still being written (read again once the file grows, not on every request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -15,7 +20,7 @@ from pydantic import ValidationError
 from ..protocol import GroupResult
 from ..server.metrics import Metrics
 from ..server.sampler.task_stats import TaskStatsBook
-from .book import GroupPage, GroupQuery, GroupSummary, RunTally, page, summarize
+from .book import GroupPage, GroupQuery, GroupSummary, RunLogChanged, RunTally, page, summarize
 from .overview import Overview, RunPoint, TaskRow
 
 log = logging.getLogger("rollout_service.viewer")
@@ -46,6 +51,10 @@ class RunLogBook:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.run_id = path.stem
+        self._start()
+        self._lock = asyncio.Lock()
+
+    def _start(self) -> None:
         self.offsets: list[int] = []
         self.summaries: list[GroupSummary] = []
         self.tally = RunTally()
@@ -53,15 +62,27 @@ class RunLogBook:
         self.stats = TaskStatsBook(self.versions, Metrics())  # type: ignore[arg-type]
         self.unreadable = 0  # lines that are not groups (not the last: a torn one is read again later)
         self._read_to = 0
-        self._lock = asyncio.Lock()
+        self._seen: tuple[int, int, int] | None = None  # the file's (device, inode, size) when last indexed
 
     async def refresh(self) -> None:
-        """Index what the file gained since the last call, in a thread: the event loop never reads it."""
+        """Index what the file gained since the last call, in a thread: the event loop never reads it.
+        A file that cannot be read now keeps the index made so far (said in the log, not to the page)."""
         async with self._lock:
-            await asyncio.to_thread(self._index)
+            try:
+                await asyncio.to_thread(self._index)
+            except OSError as exc:
+                log.warning("%s: cannot read it now (%s); showing the groups indexed so far", self.path, exc)
 
     def _index(self) -> None:
         with open(self.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            seen = (st.st_dev, st.st_ino, st.st_size)
+            if seen == self._seen:
+                return  # nothing new: a torn last line is not read again until the file grows
+            if self._seen is not None and (seen[:2] != self._seen[:2] or st.st_size < self._read_to):
+                log.warning("%s: replaced or truncated under the viewer; indexing it again", self.path)
+                self._start()
+            self._seen = seen
             f.seek(self._read_to)
             while True:
                 start = f.tell()
@@ -110,7 +131,14 @@ class RunLogBook:
     async def group(self, seq: int) -> GroupResult | None:
         if not 0 <= seq < len(self.offsets):
             return None
-        return await asyncio.to_thread(self._read, self.offsets[seq])
+        summary = self.summaries[seq]
+        try:
+            result = await asyncio.to_thread(self._read, self.offsets[seq])
+        except (OSError, ValidationError) as exc:
+            raise RunLogChanged(f"{self.path} changed under the viewer: group {seq} cannot be read again") from exc
+        if (result.group_id, result.task_id) != (summary.group_id, summary.task_id):
+            raise RunLogChanged(f"{self.path} changed under the viewer: group {seq} is not where it was")
+        return result
 
     def _read(self, offset: int) -> GroupResult:
         with open(self.path, "rb") as f:
