@@ -131,7 +131,8 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     Breaks tried: the page's text helper (`el`, app.js) writing `innerHTML` instead of `textContent`
     -> fails: the hostile text is no longer on the page as text; the same with the CSP header dropped
     too (and the text checks skipped) -> fails: window.__pwned was set by the <img onerror>; the live
-    book not fed (`hook` leaving `admission.on_result` alone) -> fails: the overview counts 0 groups."""
+    book not fed (`hook` leaving `admission.on_result` alone) -> fails: the overview counts 0 groups;
+    SecurityHeaders inside PlaneAuth (added before it) -> fails: the 401 carries no CSP."""
     refenv = start_refenv("--pool", "2")
     hostile = launch("hostile-env", None, [sys.executable, str(HOSTILE_ENV), "--port", "0"])
     runs = tmp_path / "runs"
@@ -146,7 +147,8 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     page = httpx.get(f"{url}/ui")
     assert page.status_code == 200 and page.headers["content-security-policy"] == CSP
     assert "'unsafe-inline'" not in CSP and "script-src 'self'" in CSP
-    assert httpx.get(f"{url}/ui/api/overview").status_code == 401
+    refused = httpx.get(f"{url}/ui/api/overview")  # refused by the keys, outside the viewer: still its CSP
+    assert refused.status_code == 401 and refused.headers.get("content-security-policy") == CSP, refused.headers
     assert httpx.get(f"{url}/ui/assets/app.js").headers["content-security-policy"] == CSP
     assert httpx.get(f"{url}/ui/assets/nothing.js").status_code == 404
     # A user's mistakes are clear errors: a group not held, a page too large.
