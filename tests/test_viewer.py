@@ -132,7 +132,9 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     -> fails: the hostile text is no longer on the page as text; the same with the CSP header dropped
     too (and the text checks skipped) -> fails: window.__pwned was set by the <img onerror>; the live
     book not fed (`hook` leaving `admission.on_result` alone) -> fails: the overview counts 0 groups;
-    SecurityHeaders inside PlaneAuth (added before it) -> fails: the 401 carries no CSP."""
+    SecurityHeaders inside PlaneAuth (added before it) -> fails: the 401 carries no CSP; app.js without
+    its `drawing` check (a late answer drawn whatever the page is now) -> fails: the slow overview was
+    drawn over the group list."""
     refenv = start_refenv("--pool", "2")
     hostile = launch("hostile-env", None, [sys.executable, str(HOSTILE_ENV), "--port", "0"])
     runs = tmp_path / "runs"
@@ -261,6 +263,30 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     hostile_seq = next(g["seq"] for g in listed["groups"] if g["task_id"] == "hostile")
     _open(browser, f"{viewer.url}/ui#/group/{hostile_seq}")
     _assert_inert(browser)
+
+    # An answer that comes back after the user moved on is dropped, not drawn over the page they went
+    # to. The page's own fetch is slowed for the overview (a stand-in for a busy service: a real one
+    # cannot be made slow on cue); the user goes to the overview, then to the groups before it answers.
+    _open(browser, f"{viewer.url}/ui#/tasks")
+    browser.execute_script("""
+        const real = window.fetch;
+        window.__slowAnswered = false;
+        window.fetch = async (url, init) => {
+          const answer = await real(url, init);
+          if (String(url).includes("/overview")) {
+            await new Promise((done) => setTimeout(done, 1500));
+            window.__slowAnswered = true;
+          }
+          return answer;
+        };
+        location.hash = "#/overview";
+        setTimeout(() => { location.hash = "#/groups"; }, 200);
+    """)
+    _wait_drawn(browser, "#/groups")
+    assert wait_until(lambda: browser.execute_script("return window.__slowAnswered"), 10)
+    drawn_over = wait_until(lambda: browser.find_elements("css selector", "figure.chart"), 1.0)
+    assert not drawn_over and browser.find_elements("id", "groups"), browser.find_element("id", "main").text[:300]
+    assert browser.execute_script("return document.body.dataset.loaded") == "#/groups"
     # Off loopback, a run log (every prompt of the run) is served only behind a key.
     refused = cli("view", str(log), "--listen", "0.0.0.0:0", timeout=60)
     assert refused.returncode == 2 and "--api-key-env" in refused.stderr, refused.stderr

@@ -9,6 +9,7 @@ than one from a real run (tests/test_viewer.py views a real run's log).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,11 +77,12 @@ def _listed(url: str) -> list[str]:
 
 def test_a_run_log_that_changes_under_the_viewer_is_never_a_500(view, tmp_path):
     """Appended to (a torn line waits for its end), rewritten in place, truncated and rewritten,
-    replaced by another file, deleted: the list answers what the file holds (or what was indexed while
+    replaced by another file, then by a FIFO, deleted: the list answers what the file holds (or what was indexed while
     it could be read), and a group whose line is gone is a clear 409, never a stack trace.
     Breaks tried (before the fix): the index kept after truncation -> fails: the list still shows the
     old groups; a group's line read again unchecked -> fails: 500 on a line rewritten in place; the
-    file deleted -> fails: every read was a 500 (the refresh raised)."""
+    file deleted -> fails: every read was a 500 (the refresh raised); the log opened without O_NONBLOCK
+    -> fails: replaced by a FIFO, the list request timed out (the open waited for a writer)."""
     log = tmp_path / "run.jsonl"
     log.write_text(_lines("a0", "a1", "a2"))
     url = view(log)
@@ -112,6 +114,13 @@ def test_a_run_log_that_changes_under_the_viewer_is_never_a_500(view, tmp_path):
     other.write_text(_lines("d0", "d1", "d2", "d3", "d4"))
     other.replace(log)
     assert _listed(url) == ["d4", "d3", "d2", "d1", "d0"]
+
+    # Replaced by a FIFO: opening it to read would wait for a writer; the viewer does not wait.
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    fifo.replace(log)
+    assert httpx.get(f"{url}/ui/api/groups", timeout=10).json()["total"] == 5
+    assert httpx.get(f"{url}/ui/api/groups/2", timeout=10).status_code == 409
 
     # Deleted: what was indexed stays listed; a group's page says the log changed.
     log.unlink()

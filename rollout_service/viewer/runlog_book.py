@@ -11,9 +11,12 @@ still being written (read again once the file grows, not on every request).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from pydantic import ValidationError
 
@@ -47,6 +50,19 @@ class _RunVersions:
         return len(self.order) - 1 - self.order.get(label, len(self.order) - 1)
 
 
+def _open_file(path: Path) -> BinaryIO:
+    """`path` opened to read if it is a plain file; OSError if not. Without O_NONBLOCK, a FIFO put where
+    the log was would block the open until some writer came, and every request behind it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a plain file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class RunLogBook:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -74,7 +90,7 @@ class RunLogBook:
                 log.warning("%s: cannot read it now (%s); showing the groups indexed so far", self.path, exc)
 
     def _index(self) -> None:
-        with open(self.path, "rb") as f:
+        with _open_file(self.path) as f:
             st = os.fstat(f.fileno())
             seen = (st.st_dev, st.st_ino, st.st_size)
             if seen == self._seen:
@@ -141,7 +157,7 @@ class RunLogBook:
         return result
 
     def _read(self, offset: int) -> GroupResult:
-        with open(self.path, "rb") as f:
+        with _open_file(self.path) as f:
             f.seek(offset)
             return GroupResult.model_validate_json(f.readline())
 

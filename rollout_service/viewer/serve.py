@@ -4,11 +4,8 @@ on loopback unless told otherwise; off loopback only with a key (--api-key-env).
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import json
 import os
 import sys
-from urllib.parse import urlsplit
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -17,22 +14,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..server.http.app import _http_error, _validation_error
-from ..server.http.auth import Keys, Plane, PlaneAuth, loopback_listen, on_plane
+from ..server.http.auth import Keys, Plane, PlaneAuth, loopback_listen, loopback_url, on_plane
+from ..server.http.middleware import error_response
 from .routes import PREFIX, SecurityHeaders, router
 from .runlog_book import RunLogBook
-
-
-def _names_loopback(host_header: str) -> bool:
-    try:
-        host = urlsplit(f"//{host_header}").hostname or ""
-    except ValueError:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class LoopbackHostOnly:
@@ -46,17 +31,12 @@ class LoopbackHostOnly:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-            if not _names_loopback(host):
-                body = json.dumps(
-                    {
-                        "error": "forbidden",
-                        "message": f"Host {host!r} is not a loopback name: without --api-key-env, "
-                        "`rollout-service view` answers http://127.0.0.1, http://[::1] or http://localhost only",
-                    }
-                ).encode()
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-                await send({"type": "http.response.start", "status": 403, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
+            if not loopback_url(f"//{host}"):
+                message = (
+                    f"Host {host!r} is not a loopback name: without --api-key-env, `rollout-service view` "
+                    "answers http://127.0.0.1, http://[::1] or http://localhost only"
+                )
+                await error_response(403, "forbidden", message)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
