@@ -10,6 +10,7 @@ phases or its table.
 from __future__ import annotations
 
 import ast
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_service.backends.replica_pool import Endpoint, ReplicaPool
-from rollout_service.protocol import ReplicaState
+from rollout_service.protocol import PolicyUpdate, ReplicaState
 from rollout_service.server.metrics import Metrics
 from rollout_service.server.policy.replica_states import IllegalTransition, Phase, ReplicaStates
 
@@ -298,3 +299,37 @@ def test_only_the_replica_states_write_the_pools_routing():
     ]  # fmt: skip
     assert not writes, "the pool's routing written outside replica_states.py:\n" + "\n".join(writes)
     assert _routing_writes(OWNER), "the check must see the owner's own calls"
+
+
+# -- the policy manager's restores, over the stand-in fleet ---------------------------------------------
+
+
+def test_a_restore_that_fails_leaves_the_replica_out_of_routing_and_the_next_probe_tries_again(tmp_path):
+    """A replica found restarted on its launch weights whose reload fails: out of routing (excluded, with
+    the reason), not left `restoring`, which no probe looks at again; the next probe restores it. The
+    replicas are tests/fake_vllm.py's in-process stand-ins (a reload cannot be made to fail on demand on a
+    real vLLM); the oracle is the stand-in's own weights and the pool's routing. Break tried:
+    PolicyManager._restore without its `restore_ended` -> the replica stayed restoring after the failed
+    reload, and the second probe started no restore."""
+    from fake_vllm import LAUNCH_WEIGHTS, checkpoint, make_manager
+
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        path = checkpoint(tmp_path, "v1")
+        await pm.update(PolicyUpdate(version="v1", weights={"path": path}))
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        r1.restart()
+        r1.reload_fail = "clean"
+        await pm.reconcile(ep1, await chat.list_models(ep1))
+        await asyncio.wait_for(asyncio.gather(*pm._tasks), 5)
+        assert r1.weights == LAUNCH_WEIGHTS and ep1 not in chat.routable()
+        assert pm.states.phase(ep1) is Phase.EXCLUDED, pm.states.report(ep1)
+        assert "could not be brought to version v1" in (pm.states.report(ep1).reason or "")
+        r1.reload_fail = None
+        await pm.reconcile(ep1, await chat.list_models(ep1))  # the next probe
+        await asyncio.wait_for(asyncio.gather(*pm._tasks), 5)
+        assert r1.weights == path and ep1 in chat.routable(), pm.states.report(ep1)
+        await pm.close()
+        await chat.aclose()
+
+    asyncio.run(asyncio.wait_for(go(), 20))
