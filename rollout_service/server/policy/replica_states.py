@@ -94,9 +94,6 @@ class ReplicaStates:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def of(self, endpoint: Endpoint) -> Standing | None:
-        return self._of.get(endpoint.url)
-
     def phase(self, endpoint: Endpoint) -> Phase | None:
         standing = self._of.get(endpoint.url)
         return None if standing is None else standing.phase
@@ -170,34 +167,36 @@ class ReplicaStates:
         """Out of routing until checked: what it serves is not known (or not the current version)."""
         if (step := self._step(endpoint, "exclude")) is not None:
             now, to = step
-            self._set(endpoint, replace(now, phase=to, version=None, reason=now.reason if to is _D else reason))
+            self._set(
+                endpoint, replace(now, phase=to, version=None, reason=now.reason if to is Phase.DRAINING else reason)
+            )
 
     def hold_paused(self, endpoint: Endpoint, reason: str) -> None:
         """Paused by this service and not resumed: never routed until it is."""
         if (step := self._step(endpoint, "hold_paused")) is not None:
             now, to = step
-            if to is not _D:
-                self._set(endpoint, Standing(to, None, reason, paused=to is _R))
+            if to is not Phase.DRAINING:
+                self._set(endpoint, Standing(to, None, reason, paused=to is Phase.RESTORING))
 
     def resumed(self, endpoint: Endpoint) -> None:
         """Resumed: no longer held paused (a paused one stays out of routing until checked)."""
         if (step := self._step(endpoint, "resumed")) is not None:
             now, to = step
-            if now.phase is _P or now.paused:
+            if now.phase is Phase.PAUSED or now.paused:
                 self._set(endpoint, replace(now, phase=to, paused=False))
 
     def restore(self, endpoint: Endpoint, reason: str) -> None:
         """On other weights: out of routing while a restore brings it to the current version."""
         now, to = self._known(endpoint, "restore")
-        self._set(endpoint, Standing(to, None, reason, paused=now.phase is _P))
+        self._set(endpoint, Standing(to, None, reason, paused=now.phase is Phase.PAUSED))
 
     def restore_ended(self, endpoint: Endpoint) -> None:
         """The restore is over; one that did not end serving leaves the replica out of routing (paused
         where it never resumed it)."""
         if (step := self._step(endpoint, "restore_ended")) is not None:
             now, to = step
-            if now.phase is _R:
-                self._set(endpoint, Standing(_P if now.paused else to, None, now.reason))
+            if now.phase is Phase.RESTORING:
+                self._set(endpoint, Standing(Phase.PAUSED if now.paused else to, None, now.reason))
 
     # -- the table -------------------------------------------------------------------------------
 
