@@ -30,6 +30,7 @@ import orjson
 import yarl
 
 from .addresses import AddressPolicy, CheckedResolver, RefusedAddress, canonical_ipv4
+from .deadlines import DeadlineSweep
 from .json_body import dumps
 from .limits import DEFAULT_MAX_ANSWER_BYTES
 from .proxies import EnvProxies
@@ -140,8 +141,9 @@ class AiohttpTransport(HttpTransport):
         self.max_answer_bytes = max_answer_bytes
         self.address_policy = address_policy  # None: any address the system resolves a name to
         self._timeout_s = timeout_s
-        # A request's whole deadline is kept by asyncio.timeout in _send; aiohttp bounds only the making of a connection.
+        # A request's whole deadline is kept by DeadlineSweep; aiohttp bounds only the making of a connection.
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s)
+        self._deadlines = DeadlineSweep()
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
         self.proxy_for = EnvProxies()
@@ -201,21 +203,24 @@ class AiohttpTransport(HttpTransport):
         if deadline_s is not None and deadline_s <= 0:
             raise TransportTimeout("no time left for the request")
         session = self._open()
-        # asyncio's own deadline rather than one timer swept for all requests in flight: it costs a
-        # request no more instructions than the sweep did (bench/results/deadlines-2026-12-06.json),
-        # holds to the loop's clock rather than to the sweep's 50 ms, and counts the caller's own
-        # cancellations against those the task had when the request began (cleanup after a
-        # cancellation keeps its deadline as TransportTimeout; a cancellation during it stays the caller's).
-        deadline = asyncio.timeout(self._timeout_s if deadline_s is None else deadline_s)
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("an HTTP request must run in a task")
+        # Counted against what the task had before: a request made in cleanup after a cancellation
+        # (its task still cancelling) keeps its deadline as TransportTimeout.
+        cancelling = task.cancelling()
+        self._deadlines.add(task, self._timeout_s if deadline_s is None else deadline_s)
         try:
-            async with deadline:
-                return await self._exchange(session, method, url, body, headers)
-        except TimeoutError:  # the exchange's own are TransportTimeout already: this is the deadline's
+            answer = await self._exchange(session, method, url, body, headers)
+        except BaseException as exc:
+            expired = self._deadlines.remove(task)
+            if not expired or (isinstance(exc, asyncio.CancelledError) and task.cancelling() > cancelling):
+                raise  # not past its deadline, or cancelled by its caller as well
+            if not isinstance(exc, (Exception, asyncio.CancelledError)):
+                raise  # KeyboardInterrupt, SystemExit: the process's, whatever the deadline
             raise TransportTimeout("no answer in time") from None
-        except Exception:
-            if deadline.expired():  # the deadline's cancellation, reported by aiohttp as something else
-                raise TransportTimeout("no answer in time") from None
-            raise
+        self._deadlines.remove(task)  # past its deadline as the answer came: the answer stands
+        return answer
 
     async def _exchange(
         self, session: aiohttp.ClientSession, method: str, url: str, body: bytes | None, headers: dict[str, str]
@@ -280,6 +285,7 @@ class AiohttpTransport(HttpTransport):
 
     async def aclose(self) -> None:
         self._closed = True
+        self._deadlines.close()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
