@@ -75,6 +75,8 @@ class Config:
     service_flags: list[str] = field(default_factory=list)
     group_extra: dict[str, Any] = field(default_factory=dict)
     env_flags: list[str] = field(default_factory=list)
+    model: str = MODEL
+    servers: list[str] | None = None  # model servers already running (a real vLLM): no sims started
 
 
 class Stack:
@@ -88,7 +90,8 @@ class Stack:
     def __enter__(self) -> Stack:
         py, c = sys.executable, self.cfg
         try:
-            for i in range(c.replicas):
+            self.sims = list(c.servers or [])
+            for i in range(0 if c.servers else c.replicas):
                 cmd = [py, str(BENCH / "gpusim.py"), "--port", "0", "--time-scale", str(c.time_scale), "--seed", str(i)]
                 if c.params:
                     cmd += ["--params", str(c.params)]
@@ -98,7 +101,7 @@ class Stack:
             self.env = start_listening("env", cmd + c.env_flags, self.logs, self.procs).url
             if self.with_service:
                 flags = ["--max-n", "64", "--max-batch", "4096", "--inference-timeout", "3000", *c.service_flags]
-                cmd = service_command(0, [self.env], self.sims[0], *flags, model=MODEL)
+                cmd = service_command(0, [self.env], self.sims[0], *flags, model=c.model)
                 for url in self.sims[1:]:
                     cmd += ["--vllm", url]
                 self.service = start_listening("service", cmd, self.logs, self.procs, timeout_s=120).url
@@ -143,7 +146,7 @@ async def _episode(http: aiohttp.ClientSession, env: str, sim: str, task: str, c
         answer = await r.json()
     start, tokens, turns = time.monotonic(), 0, 0
     while not answer["done"]:
-        body = {"model": MODEL, "messages": answer["observation"]["messages"], "max_tokens": cfg.max_tokens,
+        body = {"model": cfg.model, "messages": answer["observation"]["messages"], "max_tokens": cfg.max_tokens,
                 "temperature": 1.0, "logprobs": True, "return_token_ids": True}  # fmt: skip
         async with http.post(f"{sim}/v1/chat/completions", json=body) as r:
             out = await r.json()

@@ -59,7 +59,8 @@ class Params:
 
     setup: str
     step_base_s: float  # a decode step's fixed cost (weights read once per step)
-    per_token_s: float  # each token in the step: a decoding sequence's one, a prefill chunk's each
+    per_token_s: float  # each decoding sequence's token in the step
+    prefill_token_s: float  # each prompt token prefilled in the step (chunked prefill)
     per_kv_token_s: float  # each token held in the KV cache, read once per step (attention)
     max_num_seqs: int
     kv_capacity_tokens: int
@@ -75,6 +76,7 @@ H100_LLAMA8B = Params(
     setup="h100-llama8b",
     step_base_s=0.0065,
     per_token_s=32e-6,
+    prefill_token_s=32e-6,
     per_kv_token_s=3.9e-8,
     max_num_seqs=256,
     kv_capacity_tokens=440_000,
@@ -86,6 +88,7 @@ H100_LLAMA8B = Params(
         "step at H100 SXM's 3.35 TB/s HBM3 (NVIDIA H100 datasheet) = 4.8 ms, plus ~1.7 ms launch/sampling "
         "overhead (vLLM's single-stream Llama-8B decode on H100 is reported at ~150 tok/s, i.e. ~6.5 ms/token)",
         "per_token_s": "2 x 8.03 GFLOP per token at ~50% of H100 SXM's 989 dense bf16 TFLOPS (NVIDIA datasheet)",
+        "prefill_token_s": "as per_token_s: the same FLOPs per token, compute-bound",
         "per_kv_token_s": "128 KiB of KV per token (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes: the model's "
         "config.json) read per step at 3.35 TB/s",
         "max_num_seqs": "vLLM's long-standing default max_num_seqs (EngineArgs) of 256",
@@ -286,8 +289,12 @@ class Engine:
                 self.kv_used -= s.computed
                 if not s.done.done():
                     s.done.set_result(None)
-        batch = len(decoding) + prefilled
-        took = self.p.step_base_s + self.p.per_token_s * batch + self.p.per_kv_token_s * kv_read
+        took = (
+            self.p.step_base_s
+            + self.p.per_token_s * len(decoding)
+            + self.p.prefill_token_s * prefilled
+            + self.p.per_kv_token_s * kv_read
+        )
         st = self.stats
         st.steps += 1
         st.generated += len(decoding)

@@ -59,6 +59,13 @@ FAMILIES = {
     "short": Family("short", 0.6, 2, 0.5, 6, 200, 0.6, 2048, 120, 0.7, 0.3, 0.6, 0.7, 1500),
     "long": Family("long", 0.4, 10, 0.6, 40, 700, 0.8, 4096, 400, 0.9, 1.5, 1.0, 0.3, 2500),
 }
+# For calibrating against the CPU vLLM (bench/calibrate_gpusim.py): the same two families, made
+# small enough for a 135M model on two cores (few turns, short tool outputs, no tool latency).
+CALIBRATION = {
+    "short": Family("short", 0.6, 1.5, 0.4, 3, 32, 0.0, 32, 30, 0.3, 0.001, 0.0, 0.7, 200),
+    "long": Family("long", 0.4, 4, 0.3, 6, 32, 0.0, 32, 30, 0.3, 0.001, 0.0, 0.3, 300),
+}
+MIXES = {"agents": FAMILIES, "calibration": CALIBRATION}
 TASKS_PER_FAMILY = 64
 
 
@@ -97,8 +104,11 @@ class Episode:
 
 
 class TailEnv:
-    def __init__(self, pool: int, time_scale: float, seed: int, fixed_reply: list[int] | None = None) -> None:
+    def __init__(
+        self, pool: int, time_scale: float, seed: int, fixed_reply: list[int] | None = None, mix: str = "agents"
+    ) -> None:
         self.pool, self.scale, self.seed = pool, time_scale, seed
+        self.families = MIXES[mix]
         self.fixed_reply = fixed_reply  # calibration: reply lengths drawn from a measured list instead
         self.free = asyncio.Semaphore(pool)
         self.episodes: dict[str, Episode] = {}
@@ -111,8 +121,8 @@ class TailEnv:
         self.window_start = time.monotonic()
         self.busy_world_s = 0.0
         self.max_open = len(self.episodes)
-        self.started = {f: 0 for f in FAMILIES}
-        self.finished = {f: 0 for f in FAMILIES}
+        self.started = {f: 0 for f in self.families}
+        self.finished = {f: 0 for f in self.families}
         self.steps = 0
 
     def _reply(self, ep: Episode) -> int:
@@ -136,7 +146,7 @@ class TailEnv:
     async def reset(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else {}
         task_id = body.get("task_id") or body.get("slug") or task_ids()[0][0]
-        fam = FAMILIES.get(family_of(task_id))
+        fam = self.families.get(family_of(task_id))
         if fam is None:
             return web.json_response({"error": "unknown_task", "message": f"no task {task_id}"}, status=404)
         await self.free.acquire()
@@ -264,11 +274,12 @@ def main() -> None:
     parser.add_argument("--pool", type=int, default=256)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mix", choices=sorted(MIXES), default="agents", help="the families' distributions")
     parser.add_argument("--reply-tokens", type=int, nargs="*", help="draw reply lengths from these (calibration)")
     args = parser.parse_args()
 
     async def serve() -> None:
-        env = TailEnv(args.pool, args.time_scale, args.seed, args.reply_tokens)
+        env = TailEnv(args.pool, args.time_scale, args.seed, args.reply_tokens, args.mix)
         runner = web.AppRunner(env.app(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", args.port, backlog=4096)

@@ -8,6 +8,7 @@ engine is at hand, and this is what the benchmark's figures rest on (see docs/gp
 from __future__ import annotations
 
 import asyncio
+import json
 import dataclasses
 import sys
 from pathlib import Path
@@ -153,3 +154,39 @@ def test_the_service_runs_a_group_on_the_simulated_gpu_and_the_tails_env(launch,
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:num_preemptions_total"):  # fmt: skip
         assert name in metrics
+
+
+def test_the_tails_env_draws_the_same_episodes_for_every_driver_and_its_families_differ():
+    """The k-th episode of a task is the same in every run (each driver meets the same work), and the
+    long family is longer and passed less often than the short one. Break tried: seeding the draws
+    by the env's global episode count instead of (task, k) -> the second env, reset in another
+    order, draws other episodes, fails."""
+
+    async def episodes(order: list[str]) -> dict[tuple[str, int], tuple[int, bool, str]]:
+        env = tailenv.TailEnv(pool=len(order), time_scale=1e6, seed=0)
+        seen: dict[str, int] = {}
+        out = {}
+        for task in order:
+            request = type("R", (), {"can_read_body": True, "json": staticmethod(lambda t=task: _async({"task_id": t}))})
+            answer = json.loads((await env.reset(request)).text)
+            ep = env.episodes[answer["episode_id"]]
+            k = seen.get(task, 0)
+            seen[task] = k + 1
+            out[(task, k)] = (ep.turns, ep.passed, answer["observation"]["messages"][-1]["content"][-12:])
+        return out
+
+    tasks = [t for t, _ in tailenv.task_ids()][:40]
+    forward = asyncio.run(episodes(tasks + tasks))
+    backward = asyncio.run(episodes(list(reversed(tasks)) * 2))
+    assert forward == backward
+    by_family: dict[str, list[tuple[int, bool, str]]] = {"short": [], "long": []}
+    for (task, _), drawn in forward.items():
+        by_family[tailenv.family_of(task)].append(drawn)
+    mean_turns = {f: sum(d[0] for d in v) / len(v) for f, v in by_family.items()}
+    assert mean_turns["long"] > 2 * mean_turns["short"]
+    pass_rate = {f: sum(d[1] for d in v) / len(v) for f, v in by_family.items()}
+    assert pass_rate["long"] < pass_rate["short"]
+
+
+async def _async(value):
+    return value
