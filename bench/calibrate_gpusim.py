@@ -27,17 +27,15 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpusim  # noqa: E402
-import record  # noqa: E402
-from gpu_regime import LOGS, Config, Stack, _direct_group, _from_result, _group_body, _ndjson, _session  # noqa: E402
-from tailenv import task_ids  # noqa: E402
+import gpusim
+import record
+from gpu_regime import LOGS, Config, Stack, _direct_group, _from_result, _group_body, _ndjson, _session
+from tailenv import task_ids
 
-from inference.embedded_model import MODEL_NAME  # noqa: E402
-from rollout_service.tools.stack import start_embedded_vllm  # noqa: E402
+from inference.embedded_model import MODEL_NAME
+from rollout_service.tools.stack import start_embedded_vllm
 
 
 async def _timed_completions(url: str, model: str, prompts: list[str], tokens: int) -> tuple[float, list[int]]:
@@ -61,14 +59,16 @@ def _prompt(i: int, words: int) -> str:
 
 
 async def measure(url: str, model: str, batches: list[int], short: int, long: int) -> dict:
-    steps = {}
-    for b in batches:
-        walls = []
-        for tokens in (short, long):
-            wall, _ = await _timed_completions(url, model, [_prompt(i, 20) for i in range(b)], tokens)
-            walls.append(wall)
-        steps[b] = max(1e-6, (walls[1] - walls[0]) / (long - short))
-        print(f"batch {b}: step {steps[b] * 1000:.1f} ms", flush=True)
+    tries: dict[int, list[float]] = {b: [] for b in batches}
+    for _ in range(3):  # interleaved, the median kept: the machine's load moves under a measurement
+        for b in batches:
+            walls = []
+            for tokens in (short, long):
+                wall, _ = await _timed_completions(url, model, [_prompt(i, 20) for i in range(b)], tokens)
+                walls.append(wall)
+            tries[b].append(max(1e-6, (walls[1] - walls[0]) / (long - short)))
+    steps = {b: statistics.median(t) for b, t in tries.items()}
+    print("step s by batch:", {b: round(s, 4) for b, s in steps.items()}, flush=True)
     # Prefill: one request, 1 token, at two prompt lengths (distinct prompts: no prefix-cache hit).
     few, _ = await _timed_completions(url, model, [_prompt(1, 20)], 1)
     many, _ = await _timed_completions(url, model, [_prompt(2, 600)], 1)
@@ -83,16 +83,21 @@ async def measure(url: str, model: str, batches: list[int], short: int, long: in
             pair.append(wall)
         walls.append((pair[1] - pair[0]) / (long - short))
     kv_per_token = max(0.0, (walls[1] - walls[0]) / max(1, prompt_tokens[1] - prompt_tokens[0]))
+    # Outside the engine: a one-token request's wall less its prefill and its one step.
+    overhead = max(0.0, few - prompt_tokens[0] * prefill_per_token - steps[min(steps)])
     # What the model replies at max_tokens 32 on the env's prompts (it stops at EOS too).
     async with _session() as http:
         lengths = []
         for i in range(24):
-            messages = [{"role": "system", "content": "123 " * 100}, {"role": "user", "content": f"task {i}: 456 " * 20}]
+            messages = [
+                {"role": "system", "content": "123 " * 100},
+                {"role": "user", "content": f"task {i}: 456 " * 20},
+            ]
             body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 1.0}
             async with http.post(f"{url}/v1/chat/completions", json=body) as r:
                 lengths.append((await r.json())["usage"]["completion_tokens"])
     return {"step_s_by_batch": steps, "prefill_per_token_s": prefill_per_token, "kv_per_token_s": kv_per_token,
-            "reply_lengths": lengths}  # fmt: skip
+            "request_overhead_s": overhead, "reply_lengths": lengths}  # fmt: skip
 
 
 async def _count(url: str, model: str, prompts: list[str]) -> list[int]:
@@ -126,6 +131,7 @@ def fit(measured: dict, log: Path | None) -> gpusim.Params:
         # A decoding sequence's token at the batch slope; a prefill token as measured (its own slope).
         per_token_s=max(1e-6, slope),
         prefill_token_s=measured["prefill_per_token_s"],
+        request_overhead_s=measured["request_overhead_s"],
         per_kv_token_s=measured["kv_per_token_s"],
         max_batched_tokens=4096,
         prefix_cache_tokens=limits["kv_capacity_tokens"],

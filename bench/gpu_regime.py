@@ -40,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +49,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
-from tailenv import family_of, task_ids  # noqa: E402
+import record
+from tailenv import family_of, task_ids
 
-from rollout_service.tools.stack import ManagedProcess, service_command, start_listening  # noqa: E402
+from rollout_service.tools.stack import ManagedProcess, service_command, start_listening
 
 BENCH = Path(__file__).resolve().parent
 LOGS = Path("results/logs/gpu-regime")
@@ -97,7 +98,16 @@ class Stack:
                     cmd += ["--params", str(c.params)]
                 p = start_listening(f"sim{i}", cmd + c.sim_flags, self.logs, self.procs, ready_path="/v1/models")
                 self.sims.append(p.url)
-            cmd = [py, str(BENCH / "tailenv.py"), "--port", "0", "--pool", str(c.pool), "--time-scale", str(c.time_scale)]
+            cmd = [
+                py,
+                str(BENCH / "tailenv.py"),
+                "--port",
+                "0",
+                "--pool",
+                str(c.pool),
+                "--time-scale",
+                str(c.time_scale),
+            ]
             self.env = start_listening("env", cmd + c.env_flags, self.logs, self.procs).url
             if self.with_service:
                 flags = ["--max-n", "64", "--max-batch", "4096", "--inference-timeout", "3000", *c.service_flags]
@@ -140,7 +150,9 @@ def _tasks() -> itertools.cycle:
 # -- direct drivers (no service) -----------------------------------------------------------------
 
 
-async def _episode(http: aiohttp.ClientSession, env: str, sim: str, task: str, cfg: Config) -> tuple[float, float, int, int, bool]:
+async def _episode(
+    http: aiohttp.ClientSession, env: str, sim: str, task: str, cfg: Config
+) -> tuple[float, float, int, int, bool]:
     """One episode as an env's own client runs it; (start, end wall, tokens, turns, pass)."""
     async with http.post(f"{env}/step/reset", json={"task_id": task}) as r:
         answer = await r.json()
@@ -152,14 +164,17 @@ async def _episode(http: aiohttp.ClientSession, env: str, sim: str, task: str, c
             out = await r.json()
         tokens += out["usage"]["completion_tokens"]
         turns += 1
+        usage = out["usage"]
         step = {"episode_id": answer["episode_id"], "completion": out["choices"][0]["message"]["content"],
-                "prompt_tokens": out["usage"]["prompt_tokens"], "completion_tokens": out["usage"]["completion_tokens"]}  # fmt: skip
+                "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"]}  # fmt: skip
         async with http.post(f"{env}/step", json=step) as r:
             answer = await r.json()
     return start, time.monotonic(), tokens, turns, bool(answer.get("pass"))
 
 
-async def _direct_group(http: aiohttp.ClientSession, stack: Stack, task: str, sims: list[str], cfg: Config) -> GroupDone:
+async def _direct_group(
+    http: aiohttp.ClientSession, stack: Stack, task: str, sims: list[str], cfg: Config
+) -> GroupDone:
     eps = await asyncio.gather(*(_episode(http, stack.env, sims[i % len(sims)], task, cfg) for i in range(cfg.n)))
     start, end = min(e[0] for e in eps), max(e[1] for e in eps)
     return GroupDone(task, (end - start) * cfg.time_scale, sum(e[2] for e in eps), sum(e[3] for e in eps),
@@ -186,7 +201,9 @@ async def drive_sync(stack: Stack, cfg: Config, tally: Tally, stop: float) -> No
             step_tasks = [next(tasks) for _ in range(per_step)]
             # Episodes of a step spread round-robin over the replicas (a group's attempts on several).
             rotated = [stack.sims[k % len(stack.sims) :] + stack.sims[: k % len(stack.sims)] for k in range(per_step)]
-            done = await asyncio.gather(*(_direct_group(http, stack, t, r, cfg) for t, r in zip(step_tasks, rotated, strict=True)))
+            done = await asyncio.gather(
+                *(_direct_group(http, stack, t, r, cfg) for t, r in zip(step_tasks, rotated, strict=True))
+            )
             tally.groups.extend(done)
             await asyncio.sleep(cfg.train_s / cfg.time_scale)
             tally.steps.append(time.monotonic())
@@ -215,7 +232,7 @@ def _from_result(g: dict, cfg: Config) -> GroupDone:
                      [bool(a.get("pass")) for a in attempts], time.monotonic())  # fmt: skip
 
 
-async def _ndjson(response: aiohttp.ClientResponse):  # type: ignore[no-untyped-def]
+async def _ndjson(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     buf = b""
     async for chunk in response.content.iter_any():
         buf += chunk
@@ -249,9 +266,10 @@ async def drive_batch(stack: Stack, cfg: Config, tally: Tally, stop: float) -> N
 
 async def drive_stream(stack: Stack, cfg: Config, tally: Tally, stop: float) -> None:
     per_step = max(1, cfg.pool // cfg.n)
-    body = {"group": _group_body("x", cfg) | {}, "buffer": 2 * per_step, "max_staleness": 1, "filter": "none"}
-    body["group"].pop("task_id")
-    body["tasks"] = {"task_ids": [t for t, _ in task_ids()]}
+    template = _group_body("x", cfg)
+    del template["task_id"]  # the sampler draws it
+    body = {"group": template, "buffer": 2 * per_step, "max_staleness": 1, "filter": "none",
+            "tasks": {"task_ids": [t for t, _ in task_ids()]}}  # fmt: skip
     async with _session() as http:
         async with http.post(f"{stack.service}/samplers", json=body) as r:
             state = await r.json()
@@ -280,8 +298,9 @@ async def drive_stream(stack: Stack, cfg: Config, tally: Tally, stop: float) -> 
                     tally.notes.append(f"POST /policy answered {r.status}: {(await r.text())[:300]}")
             tally.steps.append(time.monotonic())
         async with http.get(f"{stack.service}/samplers/{stream}") as r:
-            tally.notes.append("stream state: " + json.dumps({k: v for k, v in (await r.json()).items()
-                                                              if k in ("dropped", "handed_out", "groups_run", "lag_histogram")}))  # fmt: skip
+            state = await r.json()
+        shown = ("dropped", "handed_out", "groups_run", "lag_histogram")
+        tally.notes.append("stream state: " + json.dumps({k: v for k, v in state.items() if k in shown}))
 
 
 # -- one run ---------------------------------------------------------------------------------------

@@ -67,6 +67,9 @@ class Params:
     max_batched_tokens: int  # token budget of one step (chunked prefill)
     prefix_cache_tokens: int  # the LRU prefix cache's bound
     max_model_len: int
+    # Wall time a request spends outside the engine (the API server's tokenizing and detokenizing):
+    # next to nothing on a GPU host, tens of ms on a loaded CPU one.
+    request_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -376,6 +379,8 @@ class Server:
 
     async def _complete(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float], str]:
         length = reply_length(prompt, max_tokens)
+        if self.engine.p.request_overhead_s:
+            await asyncio.sleep(self.engine.p.request_overhead_s / self.engine.scale)
         await self.engine.generate(prompt, length)
         ids, logprobs = self._sample(prompt, length)
         return ids, logprobs, "stop" if length < max_tokens else "length"
@@ -387,7 +392,9 @@ class Server:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in the completion)."
             )
-            return web.json_response({"error": {"message": message, "type": "BadRequestError", "code": 400}}, status=400)
+            return web.json_response(
+                {"error": {"message": message, "type": "BadRequestError", "code": 400}}, status=400
+            )
         return None
 
     async def completions(self, request: web.Request) -> web.Response:
@@ -402,7 +409,9 @@ class Server:
         choices = []
         for index in range(int(body.get("n") or 1)):
             ids, logprobs, finish = await self._complete(prompt, max_tokens)
-            tokens = [f"token_id:{i}" for i in ids] if body.get("return_tokens_as_token_ids") else [f"{i:05d} " for i in ids]
+            tokens = (
+                [f"token_id:{i}" for i in ids] if body.get("return_tokens_as_token_ids") else [f"{i:05d} " for i in ids]
+            )
             choice: dict[str, Any] = {
                 "index": index,
                 "text": self.text(ids),
@@ -431,7 +440,9 @@ class Server:
                 "index": i,
                 "message": {"role": "assistant", "content": self.text(ids)},
                 "token_ids": ids,
-                "logprobs": {"content": [{"token": f"{t:05d} ", "logprob": lp} for t, lp in zip(ids, lps, strict=True)]},
+                "logprobs": {
+                    "content": [{"token": f"{t:05d} ", "logprob": lp} for t, lp in zip(ids, lps, strict=True)]
+                },
                 "finish_reason": finish,
                 "stop_reason": None,
             }

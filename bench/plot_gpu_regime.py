@@ -20,10 +20,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from record import ROOT, load_all  # noqa: E402
+from record import ROOT, load_all
 
 DRIVERS = ("naive", "sync", "batch", "stream")
 
@@ -64,8 +64,8 @@ def load(data: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     width = 0.8 / len(DRIVERS)
     for k, driver in enumerate(DRIVERS):
-        values = [next((r["load max/mean"] for r in data if r["driver"] == driver and (r["replicas"], r["pool"]) == c), 0)
-                  for c in configs]  # fmt: skip
+        mine = {(r["replicas"], r["pool"]): r["load max/mean"] for r in data if r["driver"] == driver}
+        values = [mine.get(c) for c in configs]
         ax.bar([i + k * width for i in range(len(configs))], [v or 0 for v in values], width, label=driver)
     ax.axhline(1.2, color="grey", linestyle="--", linewidth=1)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))], [f"{r} replicas\npool {p}" for r, p in configs])

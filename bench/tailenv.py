@@ -229,7 +229,15 @@ class TailEnv:
 
     async def tasks(self, _: web.Request) -> web.Response:
         tasks = [
-            {"task_id": t, "slug": t, "prompt": f"task {t}", "category": f, "difficulty": f, "writes": False, "family": f}
+            {
+                "task_id": t,
+                "slug": t,
+                "prompt": f"task {t}",
+                "category": f,
+                "difficulty": f,
+                "writes": False,
+                "family": f,
+            }
             for t, f in task_ids()
         ]
         return web.json_response({"tasks": tasks, "count": len(tasks)})

@@ -8,8 +8,8 @@ engine is at hand, and this is what the benchmark's figures rest on (see docs/gp
 from __future__ import annotations
 
 import asyncio
-import json
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -92,7 +92,8 @@ def test_a_repeated_prefix_is_charged_less_and_the_cache_is_bounded():
     the evicted prompt still hits, fails."""
     prompt = list(range(1000, 1512))
     engine, first_times, _ = _run_by_hand(SMALL, [(prompt, 4)])
-    async def again(engine):  # noqa: E306
+
+    async def again(engine):
         seq = gpusim.Seq(prompt, 4, asyncio.get_running_loop().create_future())
         engine.waiting.append(seq)
         before = engine.stats.prefilled
@@ -167,7 +168,9 @@ def test_the_tails_env_draws_the_same_episodes_for_every_driver_and_its_families
         seen: dict[str, int] = {}
         out = {}
         for task in order:
-            request = type("R", (), {"can_read_body": True, "json": staticmethod(lambda t=task: _async({"task_id": t}))})
+            request = type(
+                "R", (), {"can_read_body": True, "json": staticmethod(lambda t=task: _async({"task_id": t}))}
+            )
             answer = json.loads((await env.reset(request)).text)
             ep = env.episodes[answer["episode_id"]]
             k = seen.get(task, 0)
