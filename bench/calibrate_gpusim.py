@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -148,6 +149,7 @@ async def ratio(servers: list[str] | None, params_file: Path | None, model: str,
                  servers=servers, env_flags=["--mix", "calibration", "--reply-tokens", *map(str, lengths)])  # fmt: skip
     tasks = [t for t, _ in task_ids()][:groups]
     where = "real" if servers else "sim"
+    load_before = os.getloadavg()[0]
     with Stack(cfg, LOGS / f"calibrate-{where}-p{pool}", with_service=True) as stack:
         async with _session() as http:
             started = time.monotonic()
@@ -163,7 +165,13 @@ async def ratio(servers: list[str] | None, params_file: Path | None, model: str,
                         done.append(_from_result(item["group"], cfg))
             service = time.monotonic() - started
     assert len(done) == groups, f"{where}: {len(done)} of {groups} groups came back"
-    return {"naive_s": round(naive, 1), "service_s": round(service, 1), "ratio": round(naive / service, 3)}
+    load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    return {
+        "naive_s": round(naive, 1),
+        "service_s": round(service, 1),
+        "ratio": round(naive / service, 3),
+        "load": load,
+    }
 
 
 async def run(args: argparse.Namespace, url: str, log: Path | None) -> dict:
@@ -179,6 +187,7 @@ async def run(args: argparse.Namespace, url: str, log: Path | None) -> dict:
                      "real naive s": real["naive_s"], "real service s": real["service_s"], "real ratio": real["ratio"],
                      "sim naive s": sim["naive_s"], "sim service s": sim["service_s"], "sim ratio": sim["ratio"],
                      "sim / real": round(sim["ratio"] / real["ratio"], 3),
+                     "machine load (1 min) real / sim": f"{real['load']} / {sim['load']}",
                      "within 15 %": abs(sim["ratio"] / real["ratio"] - 1) <= 0.15})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return {"measured": measured, "params": asdict(params), "rows": rows}

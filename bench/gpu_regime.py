@@ -364,7 +364,6 @@ async def run_one(cfg: Config, logs: Path) -> dict:
     tokens = [s["generated_tokens"] for s in sims]
     steps = [t for t in tally.steps if window_start <= t <= stop]
     latencies = [g.latency_s for g in in_window]
-    kept_ids = {g.task_id for g in in_window}
     row: dict[str, Any] = {
         "driver": cfg.driver,
         "pool": cfg.pool,
@@ -393,9 +392,10 @@ async def run_one(cfg: Config, logs: Path) -> dict:
             "tokens/group": round(statistics.mean(d.get("completion_tokens", 0) for d in tally.dropped)),
             "pass rate": round(sum(dropped_passes) / len(dropped_passes), 3) if dropped_passes else None,
         }
+    if cfg.group_extra or cfg.service_flags:
+        row["switches"] = " ".join([*(f"{k}={v}" for k, v in cfg.group_extra.items()), *cfg.service_flags])
     if tally.notes:
         row["notes"] = tally.notes
-    del kept_ids
     return row
 
 

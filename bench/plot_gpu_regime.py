@@ -29,12 +29,14 @@ DRIVERS = ("naive", "sync", "batch", "stream")
 
 
 def rows() -> list[dict]:
-    """Every gpu-regime row; a configuration measured again keeps its newest row."""
+    """Every gpu-regime row without item-5 switches; a configuration measured again keeps its newest row."""
     latest: dict[tuple, dict] = {}
     for rec in load_all():
         if rec["benchmark"] != "gpu-regime":
             continue
         for row in rec["figures"]["rows"]:
+            if row.get("switches"):
+                continue
             latest[(row["driver"], row["pool"], row["replicas"])] = row
     return list(latest.values())
 
