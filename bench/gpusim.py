@@ -38,13 +38,12 @@ import random
 import re
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-
-from rollout_service.listening import write_port_file
+from aioserve import serve
 
 MODEL = "sim-model"
 BLOCK = 16  # tokens per KV block (vLLM's default block size)
@@ -554,23 +553,8 @@ def main() -> None:
         params.max_num_seqs = args.max_num_seqs
     if args.kv_capacity:
         params.kv_capacity_tokens = args.kv_capacity
-    server = Server(Engine(params, args.time_scale), args.seed)
-
-    async def serve() -> None:
-        runner = web.AppRunner(server.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", args.port, backlog=4096)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        if args.port_file:
-            write_port_file(args.port_file, port)
-        await asyncio.Event().wait()
-
-    asyncio.run(serve())
+    serve(lambda: Server(Engine(params, args.time_scale), args.seed).app(), args.port, args.port_file)
 
 
 if __name__ == "__main__":
     main()
-
-
-__all__ = ["Engine", "Params", "Server", "Tokenizer", "asdict", "load_params", "reply_length"]

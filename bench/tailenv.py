@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
-
-from rollout_service.listening import write_port_file
+from aioserve import serve
 
 
 @dataclass(frozen=True)
@@ -286,17 +285,8 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, nargs="*", help="draw reply lengths from these (calibration)")
     args = parser.parse_args()
 
-    async def serve() -> None:
-        env = TailEnv(args.pool, args.time_scale, args.seed, args.reply_tokens, args.mix)
-        runner = web.AppRunner(env.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", args.port, backlog=4096)
-        await site.start()
-        if args.port_file:
-            write_port_file(args.port_file, site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-        await asyncio.Event().wait()
-
-    asyncio.run(serve())
+    serve(lambda: TailEnv(args.pool, args.time_scale, args.seed, args.reply_tokens, args.mix).app(), args.port,
+          args.port_file)  # fmt: skip
 
 
 if __name__ == "__main__":
