@@ -71,8 +71,12 @@ async def measure(url: str, model: str, batches: list[int], short: int, long: in
     steps = {b: statistics.median(t) for b, t in tries.items()}
     print("step s by batch:", {b: round(s, 4) for b, s in steps.items()}, flush=True)
     # Prefill: one request, 1 token, at two prompt lengths (distinct prompts: no prefix-cache hit).
-    few, _ = await _timed_completions(url, model, [_prompt(1, 20)], 1)
-    many, _ = await _timed_completions(url, model, [_prompt(2, 600)], 1)
+    pairs = []
+    for k in range(3):
+        few, _ = await _timed_completions(url, model, [_prompt(10 + k, 20)], 1)
+        many, _ = await _timed_completions(url, model, [_prompt(20 + k, 600)], 1)
+        pairs.append((few, many))
+    few, many = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
     prompt_tokens = await _count(url, model, [_prompt(1, 20), _prompt(2, 600)])
     prefill_per_token = max(0.0, (many - few) / max(1, prompt_tokens[1] - prompt_tokens[0]))
     # The KV term: a decode step with a long context against one with a short one.
