@@ -12,7 +12,8 @@ naive        trainer workers (pool / n of them), each running one group at a tim
 sync         batch-synchronous (verl's synchronous mode, TRL): a step's groups (pool / n) launched
              together, episodes spread over the replicas round-robin, the step waits for the last
              one, then a stand-in training step (--train-s of simulated time, generation idle)
-batch        the service's POST /groups/batch, fed continuously (a batch of groups always queued)
+batch        the service's POST /groups/batch: one batch of 4 x pool groups, read as they finish (the
+             service fills the pool from its own queue; no barrier between groups)
 stream       the service's sampler stream (max_staleness 1, filter none) beside a stand-in trainer:
              pull a step's groups, train (--train-s), publish a version (POST /policy/pause, POST
              /policy {version}: a pushed update, the replicas paused meanwhile)
@@ -243,25 +244,19 @@ async def _ndjson(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
 
 
 async def drive_batch(stack: Stack, cfg: Config, tally: Tally, stop: float) -> None:
-    """Batches of pool / n groups, two outstanding at a time: the service always has a batch queued."""
+    """One batch of more groups than the window can finish (4 x pool), its results read as they come:
+    the service keeps the pool full from its own queue, with no barrier between groups."""
     tasks = _tasks()
-    per_batch = max(1, cfg.pool // cfg.n)
-    async with _session() as http:
-
-        async def feeder() -> None:
-            while time.monotonic() < stop:
-                body = {"groups": [_group_body(next(tasks), cfg) for _ in range(per_batch)]}
-                async with http.post(f"{stack.service}/groups/batch", json=body) as r:
-                    if r.status >= 400:
-                        tally.notes.append(f"/groups/batch answered {r.status}: {(await r.text())[:300]}")
-                        return
-                    async for item in _ndjson(r):
-                        if "group" in item:
-                            tally.groups.append(_from_result(item["group"], cfg))
-                        if time.monotonic() >= stop:
-                            return
-
-        await asyncio.gather(feeder(), feeder())
+    body = {"groups": [_group_body(next(tasks), cfg) for _ in range(min(4096, 4 * cfg.pool))]}
+    async with _session() as http, http.post(f"{stack.service}/groups/batch", json=body) as r:
+        if r.status >= 400:
+            tally.notes.append(f"/groups/batch answered {r.status}: {(await r.text())[:300]}")
+            return
+        async for item in _ndjson(r):
+            if "group" in item:
+                tally.groups.append(_from_result(item["group"], cfg))
+            if time.monotonic() >= stop:
+                return
 
 
 async def drive_stream(stack: Stack, cfg: Config, tally: Tally, stop: float) -> None:

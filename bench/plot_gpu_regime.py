@@ -2,8 +2,7 @@
 
     .venv/bin/python bench/plot_gpu_regime.py [--out docs/images]
 
-gpu-regime-busy.png     simulated GPU busy % against pool, one line per driver (at the replica count
-                        most rows have)
+gpu-regime-busy.png     simulated GPU busy % against pool (and replicas), one line per driver
 gpu-regime-p90.png      p90 group latency (simulated s) against pool, one line per driver
 gpu-regime-load.png     load per replica (generated tokens, max over mean) by driver and replica count
 
@@ -13,7 +12,6 @@ Needs matplotlib (the `bench` extra).
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 from pathlib import Path
 
@@ -42,18 +40,19 @@ def rows() -> list[dict]:
 
 
 def by_pool(data: list[dict], figure: str, ylabel: str, title: str, out: Path) -> None:
-    counts = collections.Counter(r["replicas"] for r in data)
-    replicas = counts.most_common(1)[0][0]
+    """One line per driver over the configurations measured (pool, then replicas), as categories:
+    the runs here did not cover every pool at every replica count."""
+    configs = sorted({(r["pool"], r["replicas"]) for r in data})
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for driver in DRIVERS:
-        points = sorted((r["pool"], r[figure]) for r in data if r["driver"] == driver and r["replicas"] == replicas
-                        and r.get(figure) is not None)  # fmt: skip
+        mine = {(r["pool"], r["replicas"]): r.get(figure) for r in data if r["driver"] == driver}
+        points = [(i, mine[c]) for i, c in enumerate(configs) if mine.get(c) is not None]
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", label=driver)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("env pool (episodes at once)")
+    ax.set_xticks(range(len(configs)), [f"pool {p}\n{r} replica{'s' if r > 1 else ''}" for p, r in configs])
+    ax.set_xlim(-0.5, len(configs) - 0.5)
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title}, {replicas} replica{'s' if replicas > 1 else ''}")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
