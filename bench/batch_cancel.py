@@ -38,7 +38,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rollout_service.tools.stack import (  # noqa: E402
+from rollout_service.launch.stack import (  # noqa: E402
     ManagedProcess,
     refenv_command,
     service_command,

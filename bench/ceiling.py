@@ -39,7 +39,7 @@ import psutil
 import record
 from standins import REPLIES  # bench/ is on the path when this runs as a script
 
-from rollout_service.tools.stack import ManagedProcess, free_port, fresh_port_file
+from rollout_service.launch.stack import ManagedProcess, free_port, fresh_port_file
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 8  # attempts per group

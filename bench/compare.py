@@ -40,9 +40,9 @@ from rollout_service.trainer import RolloutClient
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import record  # bench/ is on the path when this runs as a script
 
-from inference.embedded_model import MODEL_NAME
 from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT
-from rollout_service.tools.stack import LocalStack
+from rollout_service.launch.embedded_model import MODEL_NAME
+from rollout_service.launch.stack import LocalStack
 
 LOGS = Path("results/logs")
 # The task mix, where the env serves these (a mix of one-turn and multi-turn tasks, the same from run

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inference.embedded_model import MODEL_NAME
-from inference.replicas import ReplicaPool
 from refenv.agent import ACTION_SCHEMA, SYSTEM_PROMPT
+from rollout_service.backends.replica_pool import ReplicaPool
+from rollout_service.launch.embedded_model import MODEL_NAME
 from rollout_service.protocol import SamplingParams
 
 MESSAGES = [

@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import record  # noqa: E402
 
 from rollout_service import ndjson  # noqa: E402
-from rollout_service.tools.stack import ManagedProcess, refenv_command, service_command, start_listening  # noqa: E402
+from rollout_service.launch.stack import ManagedProcess, refenv_command, service_command, start_listening  # noqa: E402
 
 
 def ndjson_lines(client: httpx.Client, path: str, body: dict) -> list[dict]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_service.tools.stack import ManagedProcess, refenv_command, start_listening
+from rollout_service.launch.stack import ManagedProcess, refenv_command, start_listening
 
 SQL = json.dumps({"action": "sql", "input": "SELECT COUNT(*) FROM customers"})
 ANSWER = json.dumps({"action": "answer", "input": "20"})

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout_service.server.scheduler import EnvSlots, WorldScheduler
+from rollout_service.server.membership.world_scheduler import EnvSlots, WorldScheduler
 
 
 async def stall_of(cancel_all) -> float:

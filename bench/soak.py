@@ -22,8 +22,8 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rollout_service.launch.stack import LocalStack
 from rollout_service.tools.loadtest import LoadSpec, format_report, run_load
-from rollout_service.tools.stack import LocalStack
 
 
 def main() -> int:

@@ -11,22 +11,23 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The httpx client lives with the tests (the service never uses it): tests/httpx_stand_in.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import httpx
+from httpx_stand_in import HttpxTransport
 
-from inference import transport
-from inference.httpx_transport import HttpxTransport
+from rollout_service.backends import transport
 
 
 def _httpx(
     timeout_s: float,
-    stand_in: httpx.AsyncBaseTransport | None = None,
     *,
     max_answer_bytes: int = transport.DEFAULT_MAX_ANSWER_BYTES,
+    address_policy: object = None,
 ) -> transport.HttpTransport:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    client = httpx.AsyncClient(transport=stand_in, timeout=timeout_s, trust_env=False, limits=limits)
+    client = httpx.AsyncClient(timeout=timeout_s, trust_env=False, limits=limits)
     return HttpxTransport(client, max_answer_bytes)
 
 

@@ -11,7 +11,7 @@ varies by 15% from run to run; the count by well under 1%).
 say each one's version.
 
 For each tree (its `inference/` is the one imported) and answer size, a client process sends POSTs
-(a 500-id prompt as JSON, as an exact turn's completion) through `inference.transport.make_transport`
+(a 500-id prompt as JSON, as an exact turn's completion) through `rollout_service.backends.transport.make_transport`
 to an instant stand-in server in a process of its own (bench/standins.py's; its answer is JSON of
 the given size), 32 at a time, and reads each answer as the service does (`HttpAnswer.json()`).
 The client runs under valgrind's callgrind twice, for --few and --many requests; the difference of
@@ -51,7 +51,7 @@ def _serve(port_file: Path, answer_bytes: int) -> None:
 
 
 async def _client(port: int, requests: int) -> None:
-    from inference.transport import make_transport
+    from rollout_service.backends.transport import make_transport
 
     transport = make_transport(600.0)
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -113,7 +113,7 @@ def main() -> int:
         print("transport_cost.py counts instructions with valgrind, which is not installed", file=sys.stderr)
         return 2
     # Here, not at the top: the client processes import only their tree's `inference`.
-    from rollout_service.tools.stack import ManagedProcess, fresh_port_file
+    from rollout_service.launch.stack import ManagedProcess, fresh_port_file
 
     trees = [tree.resolve() for tree in args.trees]
     pythons = {python: _version(python) for python in args.pythons}

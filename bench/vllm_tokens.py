@@ -19,7 +19,7 @@ import time
 import httpx
 import psutil
 
-from inference.embedded_model import MODEL_NAME
+from rollout_service.launch.embedded_model import MODEL_NAME
 
 
 async def _round(http: httpx.AsyncClient, args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY inference ./inference
 COPY rollout_service ./rollout_service
 COPY refenv ./refenv
 # hadolint ignore=DL3013

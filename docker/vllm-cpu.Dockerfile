@@ -5,7 +5,6 @@
 # The project's source, gathered in a small stage of its own, so that the image takes it in one layer.
 FROM python:3.11-slim AS src
 COPY pyproject.toml README.md /src/
-COPY inference /src/inference
 COPY rollout_service /src/rollout_service
 COPY refenv /src/refenv
 

@@ -49,13 +49,13 @@ from typing import Any
 
 import reference_report
 
-from inference import embedded_model
 from rollout_service import ndjson
+from rollout_service.launch import embedded_model
+from rollout_service.launch.stack import LocalStack, refenv_command
 from rollout_service.protocol import GRADED_STATUSES, Attempt, GroupResult
 from rollout_service.sampler_protocol import MAX_IDLE_TIMEOUT_S, StreamState
 from rollout_service.server.config import ServiceConfig
 from rollout_service.tools.measure import run_measure
-from rollout_service.tools.stack import LocalStack, refenv_command
 from rollout_service.trainer import RolloutClient, RolloutError, token_batch
 from rollout_service.trainer.client import Sampled
 from rollout_service.trainer.export import ExportOptions, export_sft

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from inference import embedded_model
-from rollout_service.tools.stack import LocalStack
+from rollout_service.launch import embedded_model
+from rollout_service.launch.stack import LocalStack
 from rollout_service.trainer import RolloutClient
 from rollout_service.trainer.trl import env_reward, service_rollout, task_dataset, use_service_logprobs
 

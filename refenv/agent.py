@@ -12,10 +12,10 @@ import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from .grading import EpisodeRecord
-from .tasks import Task
-from .text import loads_clean
-from .world import SCHEMA_DESCRIPTION, QueryError, World
+from refenv.grading import EpisodeRecord
+from refenv.tasks import Task
+from refenv.text import loads_clean
+from refenv.world import SCHEMA_DESCRIPTION, QueryError, World
 
 ACTION_SCHEMA = {
     "type": "object",

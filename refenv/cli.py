@@ -7,9 +7,8 @@ import contextlib
 import sys
 from pathlib import Path
 
+from refenv.config import ENV_PREFIX, TEACHER_ENV_PREFIX, Settings, TaskSuite, TeacherSettings
 from rollout_service.flags import add_flags, parse_listen, settings_from
-
-from .config import ENV_PREFIX, TEACHER_ENV_PREFIX, Settings, TaskSuite, TeacherSettings
 
 TEACHER_HELP = (
     "serve a scripted oracle teacher: an OpenAI-compatible chat server that answers each refenv task "
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "teacher":
         return _teacher(args)
-    from .server import create_app
+    from refenv.server import create_app
 
     try:
         settings = settings_from(args, Settings, ENV_PREFIX)
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _teacher(args: argparse.Namespace) -> int:
-    from .teacher import create_app
+    from refenv.teacher import create_app
 
     try:
         settings = settings_from(args, TeacherSettings, TEACHER_ENV_PREFIX)

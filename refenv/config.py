@@ -9,11 +9,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from refenv.grading import PROFILES
+from refenv.tasks import Split, Task, build_suite, parse_split
+from refenv.world import build_database
 from rollout_service.flags import PORT_FILE_HELP, Flag, ListenAddress, PortFile
-
-from .grading import PROFILES
-from .tasks import Split, Task, build_suite, parse_split
-from .world import build_database
 
 ENV_PREFIX = "REFENV_"
 

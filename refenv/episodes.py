@@ -8,10 +8,10 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from .agent import AgentOptions, Ask, InjectedFault, Reply, run_agent
-from .grading import EpisodeRecord, failure_score, grade
-from .tasks import Task
-from .world import World, WorldPool
+from refenv.agent import AgentOptions, Ask, InjectedFault, Reply, run_agent
+from refenv.grading import EpisodeRecord, failure_score, grade
+from refenv.tasks import Task
+from refenv.world import World, WorldPool
 
 
 class ContractError(Exception):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tasks import Task, answer_matches
-from .world import TABLES, World, table_rows
+from refenv.tasks import Task, answer_matches
+from refenv.world import TABLES, World, table_rows
 
 REWARD_VERSION = "refenv-reward-1"
 PROFILES = ("rl", "benchmark")

@@ -15,15 +15,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import SUITE_VERSION
-from .agent import AgentOptions, Reply, run_agent
-from .config import Settings
-from .episodes import ContractError, EpisodeTable, SupportModelError
-from .grading import PROFILES, REWARD_VERSION, EpisodeRecord, failure_score, grade
-from .support import SupportModel
-from .tasks import Task
-from .text import loads_clean
-from .world import WorldPool, catalog_hash, table_rows
+from refenv import SUITE_VERSION
+from refenv.agent import AgentOptions, Reply, run_agent
+from refenv.config import Settings
+from refenv.episodes import ContractError, EpisodeTable, SupportModelError
+from refenv.grading import PROFILES, REWARD_VERSION, EpisodeRecord, failure_score, grade
+from refenv.support import SupportModel
+from refenv.tasks import Task
+from refenv.text import loads_clean
+from refenv.world import WorldPool, catalog_hash, table_rows
 
 MAX_BODY_BYTES = 1 << 20
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 
-from .agent import Reply
-from .episodes import SupportModelError
-from .text import clean_text
+from refenv.agent import Reply
+from refenv.episodes import SupportModelError
+from refenv.text import clean_text
 
 
 class SupportModel:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
 
-from .world import COUNTRIES, INVOICE_STATUSES, ORDER_STATUSES, PRODUCT_CATEGORIES, SEGMENTS
+from refenv.world import COUNTRIES, INVOICE_STATUSES, ORDER_STATUSES, PRODUCT_CATEGORIES, SEGMENTS
 
 AnswerKind = Literal["int", "money", "text", "list"]
 

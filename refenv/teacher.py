@@ -33,10 +33,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from .agent import parse_action
-from .config import TaskSuite, TeacherSettings
-from .tasks import Task
-from .text import loads_clean
+from refenv.agent import parse_action
+from refenv.config import TaskSuite, TeacherSettings
+from refenv.tasks import Task
+from refenv.text import loads_clean
 
 MAX_BODY_BYTES = 4 << 20
 MAX_CHOICES = 64

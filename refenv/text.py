@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from inference.text import clean_text  # the service's own: one reading of a completion on both sides
+from rollout_service.backends.text import clean_text  # the service's own: one reading of a completion on both sides
 
 __all__ = ["clean_text", "loads_clean"]
 

@@ -28,8 +28,8 @@ from refenv.config import ENV_PREFIX as REFENV_PREFIX  # noqa: E402
 from refenv.config import TEACHER_ENV_PREFIX, Settings, TaskSuite, TeacherSettings  # noqa: E402
 from rollout_service.cluster.config import ClusterConfig  # noqa: E402
 from rollout_service.flags import markdown_table  # noqa: E402
-from rollout_service.server.app import create_app  # noqa: E402
 from rollout_service.server.config import ENV_PREFIX, ServiceConfig  # noqa: E402
+from rollout_service.server.http.app import create_app  # noqa: E402
 from rollout_service.tools import cli as service_cli  # noqa: E402
 
 # The commands whose flags come from a settings model: (program, command) -> [(model, prefix)].

@@ -21,8 +21,8 @@ import pytest
 import shared_vllm
 from helpers import assert_env_accounted, wait_until
 
-from inference import embedded_model
-from rollout_service.tools.stack import (
+from rollout_service.launch import embedded_model
+from rollout_service.launch.stack import (
     ManagedProcess,
     StackError,
     free_port,

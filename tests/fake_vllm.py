@@ -16,10 +16,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
+from httpx_stand_in import stand_in
 
-from inference.replicas import ReplicaPool
+from rollout_service.backends.replica_pool import ReplicaPool
 from rollout_service.server.metrics import Metrics
-from rollout_service.server.policy import PolicyManager
+from rollout_service.server.policy.manager import PolicyManager
 
 BASE = "m"
 LAUNCH_WEIGHTS = "ckpt0"
@@ -161,7 +162,9 @@ class Fleet:
         return [r.paused for r in self.replicas.values()]
 
     async def chat_client(self) -> ReplicaPool:
-        return ReplicaPool(list(self.replicas), timeout_s=30.0, token_ids=False, transport=self.transport())
+        return ReplicaPool(
+            list(self.replicas), timeout_s=30.0, token_ids=False, http=stand_in(self.transport(), timeout_s=30.0)
+        )
 
 
 async def make_manager(n: int = 2, fleet: Fleet | None = None) -> tuple[Fleet, ReplicaPool, PolicyManager]:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from inference import embedded_model
-from rollout_service.tools.stack import port_in_use
+from rollout_service.launch import embedded_model
+from rollout_service.launch.stack import port_in_use
 
 
 def wait_until(predicate, timeout_s: float = 5.0, every_s: float = 0.1) -> bool:

@@ -34,7 +34,7 @@ import httpx
 import psutil
 from xdist.scheduler import LoadFileScheduling
 
-from rollout_service.tools.stack import log_tail
+from rollout_service.launch.stack import log_tail
 
 WORKERINPUT_KEY = "rollout_shared_vllm"
 ALONE_MARK = "alone"

@@ -24,9 +24,9 @@ import scripted_model
 from helpers import cli, wait_until
 from starlette.testclient import TestClient
 
-from inference.addresses import system_lookup
+from rollout_service.backends.addresses import system_lookup
+from rollout_service.launch.stack import refenv_command
 from rollout_service.listening import read_port_file
-from rollout_service.tools.stack import refenv_command
 from rollout_service.trainer.client import RequestRejected, RolloutClient
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
@@ -526,8 +526,8 @@ def test_a_name_that_resolves_elsewhere_later_is_not_connected_to(start_refenv, 
     list is 127.0.0.1 alone). The recorder's log is the oracle for "nothing was sent there".
     Break tried: the old transport (no resolver of its own; the check at POST only) -> the probes of
     POST /envs and /replicas went to the recorder, fails."""
-    from rollout_service.server.app import create_app
     from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.http.app import create_app
     from rollout_service.server.service import RolloutService
 
     first, second = start_refenv("--pool", "2"), start_refenv("--pool", "2")

@@ -27,9 +27,9 @@ import httpx
 import pytest
 from helpers import assert_accounted, assert_env_accounted, cli, unclaimed_ports, wait_until
 
-from inference import embedded_model
 from rollout_service.keys import read_key_file
-from rollout_service.tools.stack import free_port, port_in_use
+from rollout_service.launch import embedded_model
+from rollout_service.launch.stack import free_port, port_in_use
 from rollout_service.trainer.client import RequestRejected, RolloutClient
 
 pytest.importorskip("ray", reason="ray is not installed (the `ray` extra; `make test` installs it)")

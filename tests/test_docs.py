@@ -19,8 +19,8 @@ from fastapi.routing import APIRoute
 
 from refenv import cli as refenv_cli
 from rollout_service.protocol import FAILURE_KINDS, POLICY_FAILURE_KINDS
-from rollout_service.server.app import create_app
 from rollout_service.server.config import ServiceConfig
+from rollout_service.server.http.app import create_app
 from rollout_service.tools import cli as service_cli
 
 ROOT = Path(__file__).resolve().parents[1]

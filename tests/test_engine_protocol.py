@@ -1,4 +1,4 @@
-"""The policy manager speaks to model servers only through the Engine interface (inference/engine.py):
+"""The policy manager speaks to model servers only through the Engine interface (rollout_service/backends/engine.py):
 an engine that is no HTTP server at all takes a LoRA update, a full-weight reload and a trainer's push.
 
 The engine here is a test double on purpose: what is checked is that nothing in the policy code goes
@@ -13,13 +13,13 @@ from pathlib import Path
 
 from fake_vllm import adapter, checkpoint
 
-from inference.answers import Completion, TokenizeAnswer
-from inference.engine import Engine
-from inference.errors import WeightUpdateError
-from inference.replicas import ReplicaPool
+from rollout_service.backends.answers import Completion, TokenizeAnswer
+from rollout_service.backends.engine import Engine
+from rollout_service.backends.errors import WeightUpdateError
+from rollout_service.backends.replica_pool import ReplicaPool
 from rollout_service.protocol import PolicyUpdate
 from rollout_service.server.metrics import Metrics
-from rollout_service.server.policy import PolicyManager
+from rollout_service.server.policy.manager import PolicyManager
 
 BASE = "m"
 

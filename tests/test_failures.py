@@ -1,4 +1,4 @@
-"""The classify table (server/failures.py): every failure kind the protocol names can come out of it.
+"""The classify table (server/groups/failures.py): every failure kind the protocol names can come out of it.
 
 The oracle is the protocol's closed set (protocol.FAILURE_KINDS), not the table: the samples below
 are every exception class the runner can meet (each EnvError and InferenceError subclass, found by
@@ -11,12 +11,12 @@ import asyncio
 
 import pytest
 
-from inference.errors import InferenceError
+from rollout_service.backends.env_client import EnvError, StepAnswer
+from rollout_service.backends.errors import InferenceError
 from rollout_service.protocol import FAILURE_KINDS, Attempt
-from rollout_service.server.env_client import EnvError, StepAnswer
-from rollout_service.server.failures import Stale, TooManyTurns, TryState, Unscorable, classify
-from rollout_service.server.outcome import score, status_of
-from rollout_service.server.scheduler import NoEnvLeft
+from rollout_service.server.groups.failures import Stale, TooManyTurns, TryState, Unscorable, classify
+from rollout_service.server.groups.outcome import score, status_of
+from rollout_service.server.membership.world_scheduler import NoEnvLeft
 
 
 def _subclasses(base: type) -> list[type]:

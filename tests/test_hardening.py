@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 from helpers import assert_accounted, cli, wait_until
+from httpx_stand_in import stand_in
 
 from rollout_service.server.config import ServiceConfig
 
@@ -94,13 +95,13 @@ def test_an_env_answer_that_breaks_the_contract_is_a_typed_failure():
     transport: refenv cannot be made to send it)."""
     import asyncio
 
-    from rollout_service.server.env_client import BadEnvAnswer, EnvClient
+    from rollout_service.backends.env_client import BadEnvAnswer, EnvClient
 
     def answer(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"episode_id": 5, "done": "maybe"})
 
     async def reset() -> None:
-        client = EnvClient("http://env", transport=httpx.MockTransport(answer))
+        client = EnvClient("http://env", http=stand_in(httpx.MockTransport(answer)))
         try:
             await client.reset("t001")
         finally:
@@ -119,15 +120,15 @@ def test_an_envs_leased_count_is_kept_only_as_a_count(leased, kept):
     import asyncio
     from types import SimpleNamespace
 
-    from rollout_service.server.env_client import EnvClient
-    from rollout_service.server.health import BackendMonitor
-    from rollout_service.server.health_detail import EnvDetail
+    from rollout_service.backends.env_client import EnvClient
+    from rollout_service.server.membership.monitor import BackendMonitor
+    from rollout_service.server.status import EnvDetail
 
     def answer(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"status": "ready", "workers": 2, "leased": leased})
 
     async def probe() -> dict:
-        client = EnvClient("http://env", transport=httpx.MockTransport(answer))
+        client = EnvClient("http://env", http=stand_in(httpx.MockTransport(answer)))
         env = SimpleNamespace(url="http://env", client=client, slots=SimpleNamespace(down=False))
         monitor = BackendMonitor({"http://env": env}, [])  # type: ignore[dict-item]
         try:
@@ -152,7 +153,7 @@ def test_a_token_prompt_completion_sends_the_turns_sampling_seed_included():
     Break tried: the sampling left out of complete's body -> no seed sent, fails."""
     import asyncio
 
-    from inference.replicas import ReplicaPool
+    from rollout_service.backends.replica_pool import ReplicaPool
 
     bodies: list[dict] = []
 
@@ -163,7 +164,7 @@ def test_a_token_prompt_completion_sends_the_turns_sampling_seed_included():
         return httpx.Response(200, json={"choices": [choice], "usage": {"prompt_tokens": 3}})
 
     async def complete() -> None:
-        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(handle))
+        client = ReplicaPool(["http://model"], http=stand_in(httpx.MockTransport(handle)))
         try:
             sampling = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 5, "seed": 8241, "stop": None}
             await client.complete(model="m", prompt_token_ids=[1, 2, 3], sampling=sampling)
@@ -188,8 +189,8 @@ def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
     prefix not required at its start -> "token_id:1token_id:" read as 1, fails."""
     import asyncio
 
-    from inference.errors import BadInferenceResponse
-    from inference.replicas import ReplicaPool
+    from rollout_service.backends.errors import BadInferenceResponse
+    from rollout_service.backends.replica_pool import ReplicaPool
 
     sent = list(range(100, 140))
     ids = ["token_id:7", "token_id:8"]
@@ -206,7 +207,7 @@ def test_a_token_prompt_completion_for_another_prompt_is_a_bad_answer():
         return httpx.MockTransport(handle)
 
     async def complete(echo=None, counted=len(sent), tokens=ids, finish_reason="stop"):  # type: ignore[no-untyped-def]
-        client = ReplicaPool(["http://model"], transport=answer(echo, counted, tokens, finish_reason))
+        client = ReplicaPool(["http://model"], http=stand_in(answer(echo, counted, tokens, finish_reason)))
         try:
             return await client.complete(model="m", prompt_token_ids=sent, sampling={})
         finally:

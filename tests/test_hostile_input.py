@@ -83,8 +83,8 @@ def unstarted_app():
     503 `starting`, one that does not 422, with no backend and no process."""
     from starlette.testclient import TestClient
 
-    from rollout_service.server.app import create_app
     from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.http.app import create_app
 
     config = ServiceConfig(env=["http://127.0.0.1:9"], vllm=["http://127.0.0.1:9"], model="m")
     return TestClient(create_app(config))  # not entered: its lifespan, the service's start, never runs

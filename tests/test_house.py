@@ -41,7 +41,7 @@ def test_log_level_and_json_format_set_the_root_logger_and_health_detail_is_its_
     assert not any("HTTP Request:" in line for line in _log_lines(service)), _log_lines(service)[-5:]
 
     # /health/detail: what the typed model says, and nothing unset (no start-up keys once started).
-    from rollout_service.server.health_detail import HealthDetail
+    from rollout_service.server.status import HealthDetail
 
     answer = httpx.get(f"{service.url}/health/detail", timeout=10).json()
     detail = HealthDetail.model_validate(answer)
@@ -72,8 +72,8 @@ def test_the_app_version_is_the_installed_packages(monkeypatch):
     literal 0.2.0 back in create_app -> the app says 0.2.0, not the metadata's."""
     from importlib import metadata
 
-    from rollout_service.server.app import create_app
     from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.http.app import create_app
 
     monkeypatch.setattr(metadata, "version", lambda name: "9.8.7" if name == "rollout-service" else "0")
     app = create_app(ServiceConfig(env=["http://a:1"], vllm=["http://m:1"], model="m"))
@@ -102,7 +102,7 @@ def test_all_or_none_raises_the_first_failure_and_cancels_the_rest():
     import asyncio
 
     from rollout_service.server.errors import StartupError
-    from rollout_service.server.tasks import all_or_none
+    from rollout_service.server.task_sets import all_or_none
 
     async def scenario() -> None:
         cancelled = asyncio.Event()

@@ -345,7 +345,7 @@ def _probe(python: Path, runs: set[tuple[str, str]], extra: list[str]) -> subpro
 
 # What the vLLM image runs beyond its entrypoint's own code: the server the launcher execs, and the plugin
 # vLLM loads in each of its processes (pyproject.toml's vllm.general_plugins).
-VLLM_RUNS = ["vllm.entrypoints.openai.api_server", "inference.vllm_plugin"]
+VLLM_RUNS = ["vllm.entrypoints.openai.api_server", "rollout_service.launch.vllm_plugin"]
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ import sys
 import httpx
 import pytest
 
-from inference import embedded_model
+from rollout_service.launch import embedded_model
+from rollout_service.launch.stack import LocalStack, service_command, start_listening
 from rollout_service.protocol import GroupResult
-from rollout_service.tools.stack import LocalStack, service_command, start_listening
 from rollout_service.trainer import RolloutClient
 from rollout_service.trainer.client import RequestRejected, RolloutError
 

@@ -1,4 +1,4 @@
-"""tools/stack.py's launcher: a child started with die_with_parent goes, with everything it started,
+"""launch/stack.py's launcher: a child started with die_with_parent goes, with everything it started,
 when the process that started it dies however it dies, also when that process runs threads (no
 preexec_fn); a normal stop still reaches the command itself. The oracle is the kernel's process
 table (psutil). Breaks tried: die_with_parent ignored (no guard) -> the child and its own child
@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 from helpers import wait_until
 
-from rollout_service.tools.stack import ManagedProcess
+from rollout_service.launch.stack import ManagedProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = """
 import sys, threading, time
 from pathlib import Path
-from rollout_service.tools.stack import ManagedProcess
+from rollout_service.launch.stack import ManagedProcess
 threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
 sleeper = (
     "import subprocess, sys, time; "

@@ -20,8 +20,8 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from rollout_service.launch.stack import ManagedProcess, StackError, fresh_port_file, refenv_command, service_command
 from rollout_service.listening import ReportingServer, read_port_file
-from rollout_service.tools.stack import ManagedProcess, StackError, fresh_port_file, refenv_command, service_command
 
 
 def _accepts(port: int) -> bool:
@@ -148,7 +148,7 @@ def test_a_vllm_that_loses_its_free_port_is_started_again_on_another(tmp_path: P
     made to lose it on demand): the first port offered is held by this test, and the stand-in server
     exits as vLLM does. Oracle: the process that answers is on the second port, and the first try's log
     says it lost the port. Break tried: _lost_port answering False -> StackError on the first try."""
-    from rollout_service.tools import stack
+    from rollout_service.launch import stack
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

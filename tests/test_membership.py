@@ -263,10 +263,9 @@ def test_a_replica_added_serves_once_on_the_current_version_and_a_removed_one_fi
 
 def _service_with(tasks: list[tuple[str, str]]):
     """A service (not started: no servers) with env http://a:1 serving `tasks` (id, slug)."""
-    from rollout_service.server import envs as module
+    from rollout_service.backends.env_client import EnvClient, EnvHealth, EnvTask
     from rollout_service.server.config import ServiceConfig
-    from rollout_service.server.env_client import EnvClient, EnvHealth, EnvTask
-    from rollout_service.server.scheduler import WorldScheduler
+    from rollout_service.server.membership import envs as module
     from rollout_service.server.service import RolloutService
 
     # b and c are added later: names allowed, as an operator allows a host by its name.
@@ -279,7 +278,7 @@ def _service_with(tasks: list[tuple[str, str]]):
     env = module.checked_env(found, EnvClient("http://a:1"))
     svc.envs.envs[env.url] = env
     svc.envs.index_tasks(env, found.tasks)
-    svc.lifecycle.scheduler = WorldScheduler([env.slots])
+    svc.scheduler.add_env(env.slots)
 
     def discovers(answer: list[tuple[str, str]]) -> None:
         async def ask(url: str, client: EnvClient) -> module.Discovered:
@@ -296,8 +295,8 @@ def test_an_env_whose_slug_names_another_task_is_refused_and_a_task_listed_twice
     import asyncio
 
     from rollout_service.protocol import EnvAdd, EnvRemove, GroupRequest
-    from rollout_service.server import envs as module
     from rollout_service.server.errors import Conflict, NotFound, RequestRefused
+    from rollout_service.server.membership import envs as module
 
     monkeypatch.setattr(module, "ask_env", module.ask_env)  # restored after the test
     svc, discovers = _service_with([("t1", "s1")])
@@ -410,8 +409,8 @@ def test_health_names_tasks_whose_every_env_drains_on_the_training_side_too():
     """A task served by a training env and an eval-side one is stranded for training groups (all a
     group without allow_eval_side may use) once the training env drains: /health must say so, as when
     every env of a task drains. Break tried: only `every env drains` checked -> t1 goes unnamed."""
-    from rollout_service.server import envs as module
-    from rollout_service.server.env_client import EnvClient, EnvHealth, EnvTask
+    from rollout_service.backends.env_client import EnvClient, EnvHealth, EnvTask
+    from rollout_service.server.membership import envs as module
 
     svc, _ = _service_with([("t1", "s1"), ("t2", "s2")])
     health = EnvHealth(
@@ -444,7 +443,7 @@ def test_one_server_under_two_names_shares_a_key_and_a_proxys_names_do_not(monke
     import asyncio
     import socket
 
-    from rollout_service.server import envs as module
+    from rollout_service.server.membership import envs as module
 
     def key(url: str) -> frozenset:
         return asyncio.run(module.server_addresses(url))

@@ -10,7 +10,7 @@ import pytest
 
 from rollout_service.server.errors import Conflict, NotFound, RequestRefused, TooBusy
 from rollout_service.server.metrics import Metrics
-from rollout_service.server.policy import PolicyManager, PolicyVersion
+from rollout_service.server.policy.manager import PolicyManager, PolicyVersion
 
 
 def _manager(max_loras: int) -> PolicyManager:

@@ -14,7 +14,7 @@ import httpx
 from helpers import assert_accounted, wait_until
 from test_policy import make_adapter, metric, post_policy, served_models
 
-from inference import embedded_model
+from rollout_service.launch import embedded_model
 
 MODEL = embedded_model.MODEL_NAME
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from helpers import assert_accounted, prompt_ids, wait_until
 
-from inference import embedded_model
-from inference.answers import structured_output
+from rollout_service.backends.answers import structured_output
+from rollout_service.launch import embedded_model
 
 MODEL = embedded_model.MODEL_NAME
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "seed": 1}

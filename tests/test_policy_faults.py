@@ -17,19 +17,20 @@ import json
 import httpx
 import pytest
 from fake_vllm import BASE, LAUNCH_WEIGHTS, adapter, checkpoint, made_by, make_manager
+from httpx_stand_in import stand_in
 
-from inference.errors import InferenceUnreachable
-from inference.replicas import ReplicaPool
+from rollout_service.backends.env_client import EnvClient
+from rollout_service.backends.errors import InferenceUnreachable
+from rollout_service.backends.replica_pool import ReplicaPool
 from rollout_service.protocol import EnvContract, GroupRequest, PolicyUpdate, PolicyUpdateResult
-from rollout_service.server.app import http_status
-from rollout_service.server.env_client import EnvClient
 from rollout_service.server.errors import RequestRefused
-from rollout_service.server.health import BackendMonitor
+from rollout_service.server.groups.runner import GroupRunner
+from rollout_service.server.http.app import http_status
+from rollout_service.server.membership.monitor import BackendMonitor
+from rollout_service.server.membership.targets import EnvHandle, ModelRoute, TaskTarget
+from rollout_service.server.membership.world_scheduler import EnvSlots, WorldScheduler
 from rollout_service.server.metrics import Metrics
-from rollout_service.server.policy import PolicyManager
-from rollout_service.server.runner import GroupRunner
-from rollout_service.server.scheduler import EnvSlots, WorldScheduler
-from rollout_service.server.targets import EnvHandle, ModelRoute, TaskTarget
+from rollout_service.server.policy.manager import PolicyManager
 
 ENV = "http://env"
 OBS = {"messages": [{"role": "user", "content": "q"}], "stage": "executor"}
@@ -91,7 +92,7 @@ class StandInEnv:
 
 def make_runner(pm: PolicyManager, chat: ReplicaPool, env: StandInEnv) -> tuple[GroupRunner, TaskTarget, ModelRoute]:
     slots = EnvSlots(ENV, 1)
-    client = EnvClient(ENV, transport=httpx.MockTransport(env))
+    client = EnvClient(ENV, http=stand_in(httpx.MockTransport(env)))
     contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
     target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
     policy = ModelRoute(BASE, chat)

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from inference.errors import BadInferenceResponse, InferenceAnswerTooLarge, WeightUpdateError
-from inference.replicas import ReplicaPool, engine_of
-from inference.transport import AiohttpTransport, AnswerTooLarge, EncodedAnswer, TransportTimeout
+from rollout_service.backends.env_client import BadEnvAnswer, EnvAnswerTooLarge, EnvClient
+from rollout_service.backends.errors import BadInferenceResponse, InferenceAnswerTooLarge, WeightUpdateError
+from rollout_service.backends.replica_pool import ReplicaPool, engine_of
+from rollout_service.backends.transport import AiohttpTransport, AnswerTooLarge, EncodedAnswer, TransportTimeout
 from rollout_service.server.config import ServiceConfig
-from rollout_service.server.env_client import BadEnvAnswer, EnvAnswerTooLarge, EnvClient
 
 CAP = 1 << 20
 HUGE = 64 << 20  # what the hostile server tries to send: far past the cap and every socket buffer

@@ -23,9 +23,9 @@ import httpx
 import pytest
 from helpers import assert_accounted, assert_logprobs_are_the_policys
 
-from inference import embedded_model
+from rollout_service.launch import embedded_model
+from rollout_service.launch.stack import start_embedded_vllm
 from rollout_service.protocol import Attempt
-from rollout_service.tools.stack import start_embedded_vllm
 from rollout_service.trainer import token_batch, trl_rollout
 
 TEMPLATES = Path(__file__).with_name("templates")

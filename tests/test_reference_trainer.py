@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inference import embedded_model
+from rollout_service.launch import embedded_model
 from rollout_service.protocol import GRADED_STATUSES
 
 ROOT = Path(__file__).resolve().parent.parent

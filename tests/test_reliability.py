@@ -16,7 +16,7 @@ import httpx
 import pytest
 from helpers import assert_accounted, cli, unclaimed_ports, wait_until
 
-from rollout_service.tools.stack import ManagedProcess, start_embedded_vllm
+from rollout_service.launch.stack import ManagedProcess, start_embedded_vllm
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 

@@ -10,14 +10,15 @@ import json
 
 import httpx
 from helpers import results_alive, results_held
+from httpx_stand_in import stand_in
 
-from inference.replicas import ReplicaPool
+from rollout_service.backends.env_client import EnvClient
+from rollout_service.backends.replica_pool import ReplicaPool
 from rollout_service.protocol import EnvContract, GroupRequest
-from rollout_service.server.env_client import EnvClient
+from rollout_service.server.groups.runner import GroupRunner
+from rollout_service.server.membership.targets import EnvHandle, ModelRoute, TaskTarget
+from rollout_service.server.membership.world_scheduler import EnvSlots, WorldScheduler
 from rollout_service.server.metrics import Metrics
-from rollout_service.server.runner import GroupRunner
-from rollout_service.server.scheduler import EnvSlots, WorldScheduler
-from rollout_service.server.targets import EnvHandle, ModelRoute, TaskTarget
 
 ENV = "http://env"
 
@@ -55,8 +56,8 @@ def run_group(env: StandInEnv, completion: str = "{}", **request) -> tuple[dict,
     async def go():
         slots = EnvSlots(ENV, 1)
         scheduler = WorldScheduler([slots])
-        chat = ReplicaPool(["http://model"], transport=chat_answer(completion))
-        client = EnvClient(ENV, transport=httpx.MockTransport(env))
+        chat = ReplicaPool(["http://model"], http=stand_in(chat_answer(completion)))
+        client = EnvClient(ENV, http=stand_in(httpx.MockTransport(env)))
         contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
         target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
         policy = ModelRoute("m", chat)
@@ -132,8 +133,8 @@ def test_finished_groups_are_not_retained_by_the_runner():
 
     async def go() -> tuple[int, int]:
         slots = EnvSlots(ENV, 4)
-        chat = ReplicaPool(["http://model"], transport=chat_answer("an answer"))
-        client = EnvClient(ENV, transport=httpx.MockTransport(env))
+        chat = ReplicaPool(["http://model"], http=stand_in(chat_answer("an answer")))
+        client = EnvClient(ENV, http=stand_in(httpx.MockTransport(env)))
         contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
         target = TaskTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
         policy = ModelRoute("m", chat)
@@ -171,8 +172,8 @@ def test_an_unexpected_error_outside_the_episode_fails_the_attempt_as_internal_e
     slots = EnvSlots(ENV, 4)  # room for a second try, had the failure been retryable
 
     async def go() -> dict:
-        chat = ReplicaPool(["http://model"], transport=chat_answer("{}"))
-        client = EnvClient(ENV, transport=httpx.MockTransport(StandInEnv(reset={})))
+        chat = ReplicaPool(["http://model"], http=stand_in(chat_answer("{}")))
+        client = EnvClient(ENV, http=stand_in(httpx.MockTransport(StandInEnv(reset={}))))
         contract = EnvContract(urls=[ENV], catalog_hash="h", reward_version="r", reward_profile="rl")
         target = BrokenTarget("t001", "slug", [EnvHandle(ENV, client, slots, contract)])
         policy = ModelRoute("m", chat)

@@ -22,8 +22,8 @@ import httpx
 import pytest
 from helpers import assert_env_accounted, cli
 
+from rollout_service.launch.stack import ManagedProcess, refenv_command, service_command
 from rollout_service.runs import read_groups, valid_run_id
-from rollout_service.tools.stack import ManagedProcess, refenv_command, service_command
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 24}
 SCRIPTED_MODEL = Path(__file__).with_name("scripted_model.py")

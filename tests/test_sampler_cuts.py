@@ -103,6 +103,8 @@ def test_a_pull_cut_off_mid_group_tells_of_it_and_gives_its_queue_room_back(
     lost_id = undelivered[0]["group_id"]
     assert lost_id not in later_ids
     # Every group of the budget, once: handed out before the cut, after it, or told of as undelivered.
+    # The run log is written by its own task: wait for its last line rather than read it mid-write.
+    assert wait_until(lambda: len(run_log_groups(runs)) >= budget, timeout_s=30)
     logged = set(run_log_groups(runs))
     assert len(logged) == budget
     handed_ids = [i for i in cut_ids if i != lost_id] + later_ids
@@ -221,7 +223,7 @@ def test_a_pulls_late_end_leaves_the_next_pull_marked() -> None:
     That window cannot be hit on demand over HTTP, so the rule is checked on the stream alone: no
     sampler, no service (nothing of the stream but its pull mark is touched)."""
     from rollout_service.server.errors import Conflict
-    from rollout_service.server.sampler_streams import SamplerStream
+    from rollout_service.server.sampler.streams import SamplerStream
 
     stream = SamplerStream.__new__(SamplerStream)
     stream.id, stream._pull, stream.last_used = "s", None, 0.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from rollout_service.server.sampler import TaskDeck
+from rollout_service.server.sampler.sampler import TaskDeck
 
 
 def test_a_draw_asks_every_task_once_across_the_end_of_a_pass():

@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from rollout_service.server.scheduler import EnvSlots, NoEnvLeft, WorldScheduler
+from rollout_service.server.membership.world_scheduler import EnvSlots, NoEnvLeft, WorldScheduler
 
 
 async def settle(rounds: int = 3) -> None:

@@ -21,8 +21,8 @@ from helpers import cli, wait_until
 
 from rollout_service.cluster import actors
 from rollout_service.cluster.actors import default_logs_dir, private_folder
-from rollout_service.server.runlog import RunLog
-from rollout_service.tools.stack import ManagedProcess
+from rollout_service.launch.stack import ManagedProcess
+from rollout_service.server.groups.run_log import RunLog
 
 # -- run logs: private, and never written through a link (item 9) ----------------------------------
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from helpers import assert_accounted, prompt_ids, unclaimed_ports, wait_until
 
-from inference import embedded_model
+from rollout_service.launch import embedded_model
 from rollout_service.trainer import AsyncRolloutClient, RolloutClient, RolloutError, ServiceStarting
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 48}
@@ -268,8 +268,8 @@ def test_an_embedded_app_whose_start_failed_says_failed_not_starting(start_refen
     """create_app without the CLI, which would exit: after a refusal the app says why, not `starting`."""
     from starlette.testclient import TestClient
 
-    from rollout_service.server.app import create_app
     from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.http.app import create_app
 
     env = start_refenv("--pool", "2")
     app = create_app(ServiceConfig(env=[env.url], vllm=[vllm_url], model="no-such-model"))
@@ -453,14 +453,14 @@ def test_the_session_vllm_computes_in_its_engine_process(vllm_url):
     worker (whose busy-waiting with the engine's took a second core: README, "vLLM on two cores"),
     and its OpenMP threads as set. Break tried: `cpu_executor_environment` not applied -> a
     `VLLM::Worker` process is found."""
-    from inference import local_server
+    from rollout_service.launch import vllm_server
 
     psutil = pytest.importorskip("psutil")
     asked = (
         os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto"
         or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0"
     )
-    if local_server.installed_vllm() != "vllm-cpu" or asked or os.environ.get("ROLLOUT_TEST_VLLM_URL"):
+    if vllm_server.installed_vllm() != "vllm-cpu" or asked or os.environ.get("ROLLOUT_TEST_VLLM_URL"):
         pytest.skip("not the CPU build, vLLM's worker process asked for, or a server the session did not start")
     port = int(vllm_url.rsplit(":", 1)[1])
     listening = [c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port]

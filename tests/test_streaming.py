@@ -67,7 +67,7 @@ def test_the_http_layer_keeps_no_group_once_it_is_sent(start_refenv, start_scrip
     The scripted model, so that every attempt takes a known path (a query, then an answer: scored);
     the real one's episodes end after any number of turns, or none scored. It found the run log's
     writer keeping its last batch while it waited for the next. Breaks tried: every streamed line
-    kept in a module-level list in api.py -> fails, naming the list; the writer's fix undone -> fails."""
+    kept in a module-level list in the routes -> fails, naming the list; the writer's fix undone -> fails."""
     import gc
     import uuid
 
@@ -76,8 +76,8 @@ def test_the_http_layer_keeps_no_group_once_it_is_sent(start_refenv, start_scrip
 
     from starlette.testclient import TestClient
 
-    from rollout_service.server.app import create_app
     from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.http.app import create_app
 
     model = start_scripted_model("sql-then-answer", "--sql-turns", "1")
     env = start_refenv("--pool", "4")
@@ -219,9 +219,9 @@ def test_a_batch_answer_that_ends_before_its_first_line_still_cancels_its_groups
     nobody and their 8 attempts stay counted against the queue, fails."""
     import asyncio
 
-    from rollout_service.server.stream_out import HeldResults, batch_answer
+    from rollout_service.server.groups.streaming import HeldResults, batch_answer
 
-    class Admission:  # counts as rollout_service.server.admission.Admission does
+    class Admission:  # counts as rollout_service.server.groups.admission.Admission does
         def __init__(self) -> None:
             self.queued_attempts = 0
 

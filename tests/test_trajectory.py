@@ -19,11 +19,12 @@ import httpx
 import orjson
 import pytest
 from helpers import assert_accounted, assert_logprobs_are_the_policys
+from httpx_stand_in import stand_in
 
-from inference import embedded_model
-from inference.json_body import dumps
+from rollout_service.backends.json_body import dumps
+from rollout_service.launch import embedded_model
 from rollout_service.protocol import Attempt, GroupResult
-from rollout_service.server.result_json import group_json, one_line
+from rollout_service.server.groups.group_json import group_json, one_line
 from rollout_service.trainer import token_batch, trl_rollout
 
 POLICY_STAGES = {"executor"}  # the service's default --policy-stage
@@ -230,7 +231,7 @@ def test_trainer_shapes(exact_run):
 
 
 def test_results_are_the_json_pydantic_would_write(exact_run):
-    """The service writes results with orjson (server/result_json.py); pydantic's own serialiser is the
+    """The service writes results with orjson (server/groups/group_json.py); pydantic's own serialiser is the
     oracle: each result, read back and written by pydantic, is the same JSON byte for byte (the same
     keys, aliases such as `pass`, numbers written alike). What orjson cannot write goes through pydantic. Breaks
     tried: field names instead of aliases -> `pass_` found, fails; no fallback -> TypeError on the
@@ -428,9 +429,9 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
     the last render (the third turn rendered apart after a first reply sampled otherwise, fails)."""
     import asyncio
 
-    from inference.replicas import ReplicaPool
-    from rollout_service.server.template_renderer import TemplateRenderer
-    from rollout_service.server.trajectory import TrajectoryBuilder
+    from rollout_service.backends.replica_pool import ReplicaPool
+    from rollout_service.backends.template_renderer import TemplateRenderer
+    from rollout_service.server.groups.trajectory import TrajectoryBuilder
 
     server = _TemplateServer(merge)
     opening = [{"role": "user", "content": "task"}]
@@ -443,7 +444,7 @@ def test_a_turn_finds_the_envs_new_tokens_the_cheapest_way_the_render_confirms(
     longer = [*conversation, {"role": "assistant", "content": second_reply}, second_observation]
 
     async def go() -> tuple[list[list[list[int]]], list[list[str | None]]]:
-        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
+        client = ReplicaPool(["http://model"], http=stand_in(httpx.MockTransport(server.handle)))
         try:
             renderer = TemplateRenderer(client, "m")
             assert await renderer.supported("g")
@@ -489,15 +490,15 @@ def _three_turns(merge: str, replies: list[str], end_sampled: bool) -> tuple[lis
     went on, the segments, and the stand-in (its renders)."""
     import asyncio
 
-    from inference.replicas import ReplicaPool
-    from rollout_service.server.template_renderer import TemplateRenderer
-    from rollout_service.server.trajectory import TrajectoryBuilder
+    from rollout_service.backends.replica_pool import ReplicaPool
+    from rollout_service.backends.template_renderer import TemplateRenderer
+    from rollout_service.server.groups.trajectory import TrajectoryBuilder
 
     server = _TemplateServer(merge)
     conversation: list[dict] = [{"role": "user", "content": "task"}]
 
     async def go() -> tuple[list, list, list]:
-        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
+        client = ReplicaPool(["http://model"], http=stand_in(httpx.MockTransport(server.handle)))
         try:
             renderer = TemplateRenderer(client, "m")
             assert await renderer.supported("g"), renderer.unsupported
@@ -586,15 +587,15 @@ def test_new_messages_a_template_renders_elsewhere_or_refuses_cut_the_segment(me
     raises InferenceRejected (the attempt fails)."""
     import asyncio
 
-    from inference.replicas import ReplicaPool
-    from rollout_service.server.template_renderer import TemplateRenderer
-    from rollout_service.server.trajectory import TrajectoryBuilder
+    from rollout_service.backends.replica_pool import ReplicaPool
+    from rollout_service.backends.template_renderer import TemplateRenderer
+    from rollout_service.server.groups.trajectory import TrajectoryBuilder
 
     server = _TemplateServer(merge)
     opening = [{"role": "user", "content": "task"}]
 
     async def go() -> tuple[TrajectoryBuilder, list[int]]:
-        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
+        client = ReplicaPool(["http://model"], http=stand_in(httpx.MockTransport(server.handle)))
         try:
             renderer = TemplateRenderer(client, "m")
             assert await renderer.supported("g"), renderer.unsupported
@@ -619,16 +620,16 @@ def test_a_failed_opening_render_fails_only_the_attempt_that_asked():
     of 4 fail; the failed render left in place -> the next attempt fails."""
     import asyncio
 
-    from inference.errors import InferenceError
-    from inference.replicas import ReplicaPool
-    from rollout_service.server.template_renderer import TemplateRenderer
-    from rollout_service.server.trajectory import TrajectoryBuilder
+    from rollout_service.backends.errors import InferenceError
+    from rollout_service.backends.replica_pool import ReplicaPool
+    from rollout_service.backends.template_renderer import TemplateRenderer
+    from rollout_service.server.groups.trajectory import TrajectoryBuilder
 
     server = _TemplateServer()
     opening = [{"role": "user", "content": "task"}]
 
     async def go() -> tuple[list, list[int]]:
-        client = ReplicaPool(["http://model"], transport=httpx.MockTransport(server.handle))
+        client = ReplicaPool(["http://model"], http=stand_in(httpx.MockTransport(server.handle)))
         try:
             renderer = TemplateRenderer(client, "m")
             assert await renderer.supported("g")
@@ -651,7 +652,7 @@ def test_the_ids_after_known_ones_are_read_from_the_answers_bytes_only_where_the
     sure (then the whole answer is read). Oracle: the standard library's JSON of the same answers.
     Breaks tried: the count not compared -> the disagreeing count passes, fails; the prefix without
     its trailing comma -> [1,2,3] matches [1,2,30,...], fails."""
-    from inference.answers import TokenizeAnswer
+    from rollout_service.backends.answers import TokenizeAnswer
 
     def vllm(ids: list[int], count: int | None = None, **dump: object) -> TokenizeAnswer:
         answer = {"count": len(ids) if count is None else count, "max_model_len": 8, "tokens": ids, "token_strs": None}
@@ -692,7 +693,7 @@ def test_a_reply_alone_is_not_tokenized_while_that_seldom_helps():
     """The second way costs a request: after it failed ten turns running it is asked once in 16 turns,
     and once it holds again (a template or model that changed) it is asked every turn. Break tried:
     always worth asking -> 32 asks of 32, fails."""
-    from rollout_service.server.template_renderer import _Odds
+    from rollout_service.backends.template_renderer import _Odds
 
     odds = _Odds()
     for _ in range(10):

@@ -1,4 +1,4 @@
-"""The hot path's HTTP transport (inference/transport.py) against real sockets, and a smoke run of the
+"""The hot path's HTTP transport (rollout_service/backends/transport.py) against real sockets, and a smoke run of the
 ceiling benchmark so that it does not rot (its numbers are measured by hand: docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from inference.errors import InferenceTimeout, InferenceUnreachable
-from inference.json_body import JsonList, dumps, loads
-from inference.replicas import ReplicaPool
-from inference.transport import AiohttpTransport, ConnectRefused, TransportError, TransportTimeout
-from rollout_service.server.env_client import EnvClient, EnvDown, EnvUnreachable
+from rollout_service.backends.env_client import EnvClient, EnvDown, EnvUnreachable
+from rollout_service.backends.errors import InferenceTimeout, InferenceUnreachable
+from rollout_service.backends.json_body import JsonList, dumps, loads
+from rollout_service.backends.replica_pool import ReplicaPool
+from rollout_service.backends.transport import AiohttpTransport, ConnectRefused, TransportError, TransportTimeout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -277,7 +277,7 @@ def test_no_proxy_names_ipv6_hosts_either_way_and_a_proxy_that_is_not_a_url_is_n
     """NO_PROXY=::1 (the usual spelling) and [::1] both cover http://[::1]:port; a proxy variable that
     cannot be parsed is warned about and not used, rather than failing the service's start. Breaks
     tried: only the host:port form checked -> [::1] proxied, fails; no try around the parse -> raises."""
-    from inference.proxies import EnvProxies
+    from rollout_service.backends.proxies import EnvProxies
 
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     for no_proxy in ("localhost,::1", "[::1]"):

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from inference import embedded_model
+from rollout_service.launch import embedded_model
 from rollout_service.protocol import GroupResult
 from rollout_service.trainer import RolloutClient
 from rollout_service.trainer.trl import env_reward, service_rollout, task_dataset, trl_rows, use_service_logprobs

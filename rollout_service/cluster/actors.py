@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..keys import VLLM_KEY_VAR
-from ..tools.stack import ManagedProcess
+from ..launch.stack import ManagedProcess
 
 # Actor names: f"{kind}-{index}" in the deployment's namespace.
 KINDS = ("replica", "env", "service")
@@ -148,13 +148,13 @@ def _builtin_command(
     builtin: dict[str, Any], host: str, port: int, env: dict[str, str]
 ) -> tuple[list[str], dict[str, str]]:
     if builtin["kind"] == "vllm":
-        from inference import embedded_model, local_server
+        from ..launch import embedded_model, vllm_server
 
-        cmd = local_server.vllm_command(embedded_model.prepare(), served_name=builtin["model"], host=host, port=port)
+        cmd = vllm_server.vllm_command(embedded_model.prepare(), served_name=builtin["model"], host=host, port=port)
         # The piece's own `env` counts (an operator's thread settings); Ray has set OMP_NUM_THREADS to the
         # actor's num_cpus, so a CPU replica computes on the CPUs it reserved.
         base = {**os.environ, **env}
-        return cmd, local_server.vllm_environment(
+        return cmd, vllm_server.vllm_environment(
             kv_cache_gib=builtin["kv_cache_gib"], dev_mode=host == "127.0.0.1", base=base
         )
     if builtin["kind"] == "refenv":

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from inference import embedded_model
+from ..launch import embedded_model
 
 Kind = Literal["replica", "env", "service"]
 

@@ -11,8 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from inference.limits import DEFAULT_MAX_ANSWER_BYTES
-
+from ..backends.limits import DEFAULT_MAX_ANSWER_BYTES
 from ..flags import PORT_FILE_HELP, Flag, ListenAddress, PortFile
 from ..protocol import http_url
 from ..runs import valid_run_id
@@ -277,7 +276,7 @@ class ServiceConfig(BaseModel):
     @field_validator("allow_backends")
     @classmethod
     def _check_allowed(cls, value: list[str]) -> list[str]:
-        from .backend_address import parse_allowed  # the one reading of an entry
+        from ..backends.addresses import parse_allowed  # the one reading of an entry
 
         for entry in value:
             parse_allowed(entry)

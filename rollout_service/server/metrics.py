@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from .trajectory import Continuation
 
 if TYPE_CHECKING:
     from ..protocol import Attempt, GroupResult
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+# How a trajectory went on from one turn to the next (groups/trajectory.py), counted by kind.
+Continuation = Literal["from_samples", "from_reply", "rendered_apart", "appended"]
 
 
 class Metrics:

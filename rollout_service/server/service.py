@@ -1,8 +1,9 @@
 """The composition root: the service's rooms, wired together, started and stopped.
 
-Each concern lives in its own module: the env registry (envs.py), the model routes and replicas
-(replicas.py), admission of groups (admission.py), start-up (startup.py) and health
-(health_detail.py). This object builds them, starts them in order and closes them in reverse.
+Each feature has its folder: membership/ (the envs, the model servers, the scheduler of env worlds,
+the backend monitor), policy/ (versions, updates, pauses), groups/ (admission, the runner, attempts,
+trajectories), sampler/ (streams and task statistics); status.py reads them for /health. This object
+makes every part once, starts them in order and closes them in reverse.
 """
 
 from __future__ import annotations
@@ -14,25 +15,25 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .admission import Admission
-from .attempt import RunnerConfig
-from .backend_address import AllowedBackends
+from ..backends.env_client import EnvClient
 from .config import ServiceConfig
-from .env_client import EnvClient
-from .envs import EnvRegistry
 from .errors import StartupError
-from .health import BackendMonitor
-from .health_detail import Health
+from .groups.admission import Admission, AdmissionLimits
+from .groups.attempt import RunnerConfig
+from .groups.run_log import RunLog
+from .groups.runner import GroupRunner
+from .lifecycle import Lifecycle
+from .membership.allowed_backends import AllowedBackends
+from .membership.envs import EnvRegistry
+from .membership.monitor import BackendMonitor
+from .membership.replicas import ReplicaRegistry
+from .membership.world_scheduler import WorldScheduler
 from .metrics import Metrics
-from .replicas import ReplicaRegistry
-from .runlog import RunLog
-from .runner import GroupRunner
-from .sampler_streams import SamplerStreams
-from .scheduler import WorldScheduler
-from .startup import Lifecycle
-from .stream_caps import StreamCaps
-from .task_stats import TaskStatsBook
-from .tasks import all_or_none
+from .sampler.caps import StreamCaps
+from .sampler.streams import SamplerStreams
+from .sampler.task_stats import TaskStatsBook
+from .status import Health
+from .task_sets import all_or_none
 
 log = logging.getLogger("rollout_service.service")
 
@@ -44,24 +45,52 @@ class RolloutService:
         self.run_id = config.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.lifecycle = Lifecycle(config.startup_timeout)
         # What membership may add: --allow-backends, and the hosts of the backends given at start.
-        # Held at every connection to any backend, not only when one is added (see backend_address.py).
+        # Held at every connection to any backend, not only when one is added (see allowed_backends.py).
         self.allowed = allowed = AllowedBackends(
             config.allow_backends,
             [*config.env, *config.vllm, *config.support_vllm, *(spec.url for spec in config.model_endpoint)],
         )
+        # Every part is made here, once; start() only waits for the backends and puts the envs found
+        # in the scheduler. A request before then is refused by the lifecycle (503 starting).
+        self.scheduler = WorldScheduler([])
         self.envs = EnvRegistry(
             self.lifecycle,
+            self.scheduler,
             self.metrics,
             allowed,
             max_answer_bytes=config.max_answer_bytes,
             env_token=config.env_token(),
         )
         self.replicas = ReplicaRegistry(config, self.lifecycle, self.metrics, allowed)
+        self.runner = GroupRunner(
+            self.scheduler,
+            self.replicas.policy,
+            self.replicas.support,
+            self.metrics,
+            RunnerConfig(policy_stages=frozenset(config.policy_stage), max_staleness=config.max_staleness),
+            self.replicas.versions,
+        )
+        self.monitor = BackendMonitor(self.envs.envs, self.replicas.model_routes(), self.replicas.versions)
         self.run_log = RunLog(Path(config.runs_dir), self.run_id, config.max_run_log_queue) if config.runs_dir else None
         self.admission = Admission(
-            config, self.lifecycle, self.envs, self.replicas, self.metrics, self.run_id, self.run_log
+            AdmissionLimits(config.max_n, config.max_batch, config.max_queued_attempts),
+            self.lifecycle,
+            self.envs,
+            self.replicas,
+            self.runner,
+            self.metrics,
+            self.run_id,
+            self.run_log,
         )
-        self.health = Health(self.lifecycle, self.envs, self.replicas, self.admission, self.run_log, self.run_id)
+        self.health = Health(
+            self.lifecycle,
+            self.envs,
+            self.replicas,
+            self.admission,
+            (self.scheduler, self.runner, self.monitor),
+            self.run_log,
+            self.run_id,
+        )
         # The sampler's rooms: difficulty per task and version (fed by every group), and the streams.
         self.task_stats = TaskStatsBook(self.replicas.versions, self.metrics)
         self.admission.on_result = self.task_stats.record
@@ -108,24 +137,13 @@ class RolloutService:
             reporter.cancel()
         if lifecycle.waiting_reported:
             say(f"every env and model server answered after {time.time() - lifecycle.started_at:.0f}s")
-        self.envs.keep_given_order(self.config.env)
+        self.envs.schedule_in_given_order(self.config.env)
         await self.replicas.probe_token_prompts()
         await self.replicas.versions.start()
         if self.run_log is not None:
             self.run_log.start()
-        scheduler = WorldScheduler([env.slots for env in self.envs.envs.values()])
-        lifecycle.scheduler = scheduler
-        lifecycle.runner = GroupRunner(
-            scheduler,
-            self.replicas.policy,
-            self.replicas.support,
-            self.metrics,
-            RunnerConfig(policy_stages=frozenset(self.config.policy_stage), max_staleness=self.config.max_staleness),
-            self.replicas.versions,
-        )
-        monitor = BackendMonitor(self.envs.envs, self.replicas.model_routes(), self.replicas.versions)
-        monitor.start()
-        lifecycle.monitor = monitor  # last: the service is ready from here on
+        self.monitor.start()
+        lifecycle.ready = True  # last: the service serves from here on
         log.info("started: %d envs, %d tasks, run %s", len(self.envs.envs), len(self.envs.targets), self.run_id)
 
     def cancel_running(self) -> None:
@@ -142,10 +160,8 @@ class RolloutService:
         await self.samplers.close()  # streams end, their buffers are released
         if self.admission.running:
             await asyncio.wait(set(self.admission.running), timeout=30)
-        if self.lifecycle.runner is not None:
-            await self.lifecycle.runner.drain(timeout_s=30)  # abandons still on their way to the envs
-        if self.lifecycle.monitor is not None:
-            await self.lifecycle.monitor.stop()
+        await self.runner.drain(timeout_s=30)  # abandons still on their way to the envs
+        await self.monitor.stop()
         await self.replicas.aclose()
         if self.run_log is not None:
             await self.run_log.close()

@@ -43,8 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from ..flags import parse_listen, settings_from
     from ..listening import ReportingServer
-    from ..server.app import create_app
     from ..server.config import ENV_PREFIX, ServiceConfig
+    from ..server.http.app import create_app
     from ..server.logs import configure_logging
 
     class _Server(ReportingServer):
@@ -122,14 +122,13 @@ def _add_vllm(p: argparse.ArgumentParser) -> None:
 
 
 def _vllm(args: argparse.Namespace) -> int:
-    from inference import embedded_model, local_server
-
     from ..keys import VLLM_KEY_VAR
+    from ..launch import embedded_model, vllm_server
 
-    if local_server.installed_vllm() is None:
+    if vllm_server.installed_vllm() is None:
         print("rollout-service vllm: vLLM is not installed here (`make setup` installs the CPU build)", file=sys.stderr)
         return 2
-    environment = local_server.vllm_environment(dev_mode=args.host in ("127.0.0.1", "localhost", "::1"))
+    environment = vllm_server.vllm_environment(dev_mode=args.host in ("127.0.0.1", "localhost", "::1"))
     if args.api_key_file is not None:
         try:
             key = args.api_key_file.read_text().strip()
@@ -141,7 +140,7 @@ def _vllm(args: argparse.Namespace) -> int:
             return 2
         environment[VLLM_KEY_VAR] = key
     model_dir = embedded_model.prepare()
-    cmd = local_server.vllm_command(
+    cmd = vllm_server.vllm_command(
         model_dir,
         served_name=embedded_model.MODEL_NAME,
         host=args.host,
@@ -166,7 +165,7 @@ def _add_up(p: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from .stack import LocalStack, StackError
+    from ..launch.stack import LocalStack, StackError
 
     stack = LocalStack(
         log_dir=args.logs,
@@ -227,7 +226,8 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _add_export(p: argparse.ArgumentParser) -> None:
+def _add_run_log(p: argparse.ArgumentParser) -> None:
+    """The run log a command reads: `run` and --runs-dir (export, view)."""
     from ..server.config import ENV_PREFIX
 
     p.add_argument("run", help="a run id (in --runs-dir) or a path to a run log (.jsonl)")
@@ -237,6 +237,10 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         default=Path(os.environ.get(f"{ENV_PREFIX}RUNS_DIR") or "runs"),
         help=f"where run logs are (default runs, or ${ENV_PREFIX}RUNS_DIR)",
     )
+
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    _add_run_log(p)
     p.add_argument("--stage", default="executor", help="the stage whose turns to keep (default executor)")
     p.add_argument("--min-reward", type=float, default=0.0, help="keep attempts with reward >= this (default 0)")
     p.add_argument("--best-of-group", action="store_true", help="keep only each group's best attempt")
@@ -266,6 +270,23 @@ def _export(args: argparse.Namespace) -> int:
         print(line)
     print(f"wrote {args.out}")
     return 0
+
+
+def _add_view(p: argparse.ArgumentParser) -> None:
+    _add_run_log(p)
+    p.add_argument("--listen", default="127.0.0.1:8095", help="HOST:PORT (default 127.0.0.1:8095; port 0: any)")
+    p.add_argument("--port-file", type=Path, help="once listening, write the port here")
+    p.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="the variable holding the key the page must send (needed off loopback: a run log holds every prompt)",
+    )
+
+
+def _view(args: argparse.Namespace) -> int:
+    from ..viewer.serve import run
+
+    return run(args)
 
 
 def _add_keys(p: argparse.ArgumentParser) -> None:
@@ -306,7 +327,7 @@ def _secret_file_command(
         p.add_argument("file", type=Path)
 
     def run(args: argparse.Namespace) -> int:
-        from .. import keys
+        from rollout_service import keys
 
         return _write_secrets(args.command, getattr(keys, ensure), args.file)
 
@@ -565,6 +586,7 @@ COMMANDS: dict[str, _Command] = {
     "up": ("start vLLM, refenv (pool 8) and the service; keep them up until Ctrl-C", _add_up, _up),
     "vllm": ("prepare the embedded default model and run a local vLLM server for it", _add_vllm, _vllm),
     "export": ("write SFT records from a run log (distillation, rejection sampling)", _add_export, _export),
+    "view": ("serve the run viewer over a run log, read-only (loopback by default)", _add_view, _view),
     "keys": ("write the service's two keys to FILE (mode 0600) unless it holds them already", _add_keys, _keys),
     "env-token": (
         "write the envs' token to FILE and FILE.env (mode 0600) unless FILE holds one already",

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from ..launch.stack import LocalStack, StackError
 from ..trainer.client import RolloutClient, RolloutError
-from .stack import LocalStack, StackError
 
 # Tasks where a 135M model's attempts differ, and some pass: one easy query away, or in the prompt.
 DEMO_TASKS = ("t019", "t020", "t006", "t005", "t001", "t009", "t002", "t010")

@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from .. import ndjson
+from rollout_service import ndjson
+
 from ..keys import client_keys
 from ..protocol import (
     EnvAdd,
