@@ -35,8 +35,8 @@ import record
 from gpu_regime import LOGS, Config, Stack, _direct_group, _from_result, _group_body, _ndjson, _session
 from tailenv import task_ids
 
-from inference.embedded_model import MODEL_NAME
-from rollout_service.tools.stack import start_embedded_vllm
+from rollout_service.launch.embedded_model import MODEL_NAME
+from rollout_service.launch.stack import start_embedded_vllm
 
 
 async def _timed_completions(url: str, model: str, prompts: list[str], tokens: int) -> tuple[float, list[int]]:

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import record
 from tailenv import family_of, task_ids
 
-from rollout_service.tools.stack import ManagedProcess, service_command, start_listening
+from rollout_service.launch.stack import ManagedProcess, service_command, start_listening
 
 BENCH = Path(__file__).resolve().parent
 LOGS = Path("results/logs/gpu-regime")
