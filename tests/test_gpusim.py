@@ -88,8 +88,8 @@ def test_a_full_kv_cache_preempts_and_every_sequence_still_finishes_its_reply():
 
 def test_a_repeated_prefix_is_charged_less_and_the_cache_is_bounded():
     """The same 512-token prompt twice: the second prefills one token, not 512, and its steps cost
-    less. Break tried: _cached_prefix answering 0 -> 1024 prefilled, fails; the LRU bound removed ->
-    the evicted prompt still hits, fails."""
+    less. Break tried: _cached_prefix never finding a block -> the second prefills 512, not 1, fails;
+    the LRU bound removed -> the cache holds 352 blocks over its 4,000-token bound, fails."""
     prompt = list(range(1000, 1512))
     engine, first_times, _ = _run_by_hand(SMALL, [(prompt, 4)])
 
