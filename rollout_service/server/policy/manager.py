@@ -278,8 +278,10 @@ class PolicyManager:
         take it out of routing and bring it there (in the background)."""
         if self._closing:
             return
-        if self._lock.locked() or self.paused or self.states.phase(endpoint) in (Phase.RESTORING, Phase.DRAINING):
-            return  # an update, the trainer's pause or a restore is deciding for it; a draining one leaves
+        if self._lock.locked() or self.paused or self.states.phase(endpoint) is Phase.RESTORING:
+            return  # an update, the trainer's pause or a restore is deciding for it
+        if self.states.phase(endpoint) is Phase.DRAINING:
+            return await self._resume_draining(endpoint)  # it leaves: not restored, but never left paused
         if endpoint not in self.client.endpoints:
             return  # removed while it was probed
         current = self.current
@@ -304,6 +306,13 @@ class PolicyManager:
             return
         self.states.restore(endpoint, f"does not serve {current.label} (restarted?); bringing it there")
         self._spawn(self._restore(endpoint, current))
+
+    async def _resume_draining(self, endpoint: Endpoint) -> None:
+        """A draining replica this service left paused (its resume failed, or a pause lease ran out on
+        it): the turns frozen there end, and it can be removed, only once it is resumed."""
+        async with self._lock:  # outside an update and the trainer's pause, nothing else holds it paused
+            if not self.paused and endpoint in self.client.endpoints and await is_paused(engine_of(endpoint)):
+                await self.pause_lease.resume([endpoint])
 
     async def _serves(self, endpoint: Endpoint, version: PolicyVersion, models: list[str]) -> bool:
         if self.states.held_paused(endpoint):
