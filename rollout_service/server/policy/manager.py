@@ -310,8 +310,10 @@ class PolicyManager:
     async def _resume_draining(self, endpoint: Endpoint) -> None:
         """A draining replica this service left paused (its resume failed, or a pause lease ran out on
         it): the turns frozen there end, and it can be removed, only once it is resumed."""
+        if not await is_paused(engine_of(endpoint)):  # asked before the lock: an update never waits on it
+            return
         async with self._lock:  # outside an update and the trainer's pause, nothing else holds it paused
-            if not self.paused and endpoint in self.client.endpoints and await is_paused(engine_of(endpoint)):
+            if not self.paused and endpoint in self.client.endpoints:
                 await self.pause_lease.resume([endpoint])
 
     async def _serves(self, endpoint: Endpoint, version: PolicyVersion, models: list[str]) -> bool:
