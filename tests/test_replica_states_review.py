@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fake_vllm import make_manager
+from fake_vllm import checkpoint, make_manager
 
 from rollout_service.protocol import PolicyUpdate, ReplicaRef
 from rollout_service.server.config import ServiceConfig
@@ -53,6 +53,34 @@ def test_a_draining_replica_a_resume_failed_on_is_resumed_by_the_next_probe(tmp_
         await pm.reconcile(ep1, await chat.list_models(ep1))  # the monitor's next probe
         assert not r1.paused, "a draining replica stays paused: its frozen turns never end"
         assert pm.states.report(ep1).state == "draining" and ep1 not in chat.routable()
+        await pm.close()
+        await chat.aclose()
+
+    asyncio.run(asyncio.wait_for(go(), 20))
+
+
+def test_a_replica_that_joins_paused_is_resumed_before_it_is_routed(tmp_path):
+    """A replica this service could not resume, drained and removed (nothing forbids it), then added
+    again at its URL: the model server is still paused, and a turn routed there would hang. The join
+    must find it paused (as start-up does) and resume it before routing it. Break seen: PolicyManager.join
+    without its `is_paused` look -> the replica is routed while the stand-in is paused."""
+
+    async def go():
+        fleet, chat, pm = await make_manager(2)
+        r1, ep1 = fleet[1], chat.endpoints[1]
+        r1.resume_fail = 2  # the update's resume, and the probe's after the drain
+        await pm.update(PolicyUpdate(version="v1", weights={"path": checkpoint(tmp_path, "v1")}))
+        pm.states.drain(ep1, "draining: no new turn goes to it")
+        await pm.reconcile(ep1, await chat.list_models(ep1))  # its resume fails again
+        await pm.leave(ep1)  # POST /replicas/remove: no turn in flight there
+        assert r1.paused and ep1 not in chat.endpoints
+        again = chat.new_endpoint(r1.url)
+        assert await pm.join(again, await chat.list_models(again), 5)  # POST /replicas with its URL
+        if pm._tasks:
+            await asyncio.wait_for(asyncio.gather(*pm._tasks), 5)
+        assert not r1.paused, "joined, and still paused on the model server"
+        assert again in chat.routable() and pm.states.report(again).version == "v1"
+        assert r1.weights == fleet[0].weights and r1.label == "v1"
         await pm.close()
         await chat.aclose()
 

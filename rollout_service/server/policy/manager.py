@@ -344,11 +344,15 @@ class PolicyManager:
         added, when an update or a restore still holds the replica list after `timeout_s`."""
         try:
             async with asyncio.timeout(max(0.0, timeout_s)):
+                # Left paused (by a service that could not resume it, as at start): resumed before routed.
+                paused = await is_paused(engine_of(endpoint))
                 await self._lock.acquire()  # a cancelled acquire leaves the lock free (asyncio.Lock)
         except TimeoutError:
             return False
         try:
             self.states.join(endpoint, f"joining: routed once it serves version {self.current.label}")
+            if paused:
+                self.states.hold_paused(endpoint, "found paused when it joined: resumed before it is routed")
         finally:
             self._lock.release()
         await self.reconcile(endpoint, models)
