@@ -15,6 +15,7 @@ service's CPU at the ceiling). Bytes, not str: the stream and the run log send t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -47,6 +48,20 @@ def one_line(body: bytes) -> bytes:
         if raw in body:  # in valid UTF-8 these bytes are only ever that character
             body = body.replace(raw, escaped)
     return body
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOutcome:
+    """A finished group as Admission hands it on: the typed result for the service's own readers (the
+    sampler's filter, the measuring tool) and its JSON for those outside, encoded once, so that no
+    reader parses back what the service wrote."""
+
+    result: GroupResult
+    body: bytes  # group_json(result)
+
+    @classmethod
+    def of(cls, result: GroupResult) -> GroupOutcome:
+        return cls(result, group_json(result))
 
 
 def group_json(result: GroupResult) -> bytes:
