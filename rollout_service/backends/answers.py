@@ -15,16 +15,15 @@ from functools import cached_property
 from typing import Any
 
 import msgspec
-from pydantic import StrictInt, TypeAdapter
 
 from .errors import BadInferenceResponse
 from .json_body import dumps, loads
 from .transport import HttpAnswer
 
-# Token ids and logprobs come by the thousand per answer: checked in pydantic-core, not element by
-# element in Python. Ids must be ints as sent (a float or a string is a server's bug); logprobs
-# may be any JSON number.
-_TOKEN_IDS = TypeAdapter(list[StrictInt])
+# Token ids and logprobs come by the thousand per answer: decoded and checked by msgspec in C, not
+# element by element in Python. Ids must be ints as sent (strict: a float or a string is a server's
+# bug); logprobs may be any JSON number.
+_IDS = msgspec.json.Decoder(list[int])
 
 
 @dataclass
@@ -68,8 +67,8 @@ class TokenizeAnswer:
         except (ValueError, KeyError, TypeError) as exc:
             raise BadInferenceResponse(f"unexpected /tokenize answer: {type(exc).__name__}: {exc}") from None
         try:
-            return _TOKEN_IDS.validate_python(tokens)
-        except ValueError:
+            return msgspec.convert(tokens, list[int])
+        except msgspec.ValidationError:
             raise BadInferenceResponse("unexpected /tokenize answer: tokens is not a list of ints") from None
 
     @cached_property
@@ -112,8 +111,8 @@ class TokenizeAnswer:
         if not array.startswith(prefix):
             return None
         try:
-            rest = _TOKEN_IDS.validate_python(loads(b"[" + array[len(prefix) :]))
-        except ValueError:
+            rest = _IDS.decode(b"[" + array[len(prefix) :])
+        except msgspec.DecodeError:
             return None
         return rest or None  # "[1,2, ]" is not JSON: nothing can follow a comma
 
@@ -142,7 +141,6 @@ def normalize_response_format(response_format: Any) -> dict | None:
 
 _TOKEN_ID_PREFIX = "token_id:"
 _TOKEN_ID_QUOTED = b'"token_id:'
-_IDS = msgspec.json.Decoder(list[int])  # strict: 1.0 or "1" is not an id
 
 
 class _ChatLogprob(msgspec.Struct):
