@@ -67,7 +67,7 @@ def test_the_http_layer_keeps_no_group_once_it_is_sent(start_refenv, start_scrip
     The scripted model, so that every attempt takes a known path (a query, then an answer: scored);
     the real one's episodes end after any number of turns, or none scored. It found the run log's
     writer keeping its last batch while it waited for the next. Breaks tried: every streamed line
-    kept in a module-level list in api.py -> fails, naming the list; the writer's fix undone -> fails."""
+    kept in a module-level list in the routes -> fails, naming the list; the writer's fix undone -> fails."""
     import gc
     import uuid
 

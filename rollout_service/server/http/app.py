@@ -30,10 +30,9 @@ from ..errors import (
     Unavailable,
 )
 from ..service import RolloutService
+from . import group_routes, membership_routes, policy_routes, sampler_routes, status_routes
 from .auth import PlaneAuth, service_keys, unmarked_routes
 from .middleware import BodyLimit, RefuseControlPaths, error_response
-from .routes import router
-from .sampler_routes import router as sampler_router
 
 log = logging.getLogger("rollout_service.app")
 
@@ -152,8 +151,10 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         redirect_slashes=False,
     )
     app.state.service = service
-    app.include_router(router)
-    app.include_router(sampler_router)
+    for feature in (group_routes, policy_routes, membership_routes, sampler_routes, status_routes):
+        # The routes themselves, not the router: PlaneAuth must see each route as the app's router
+        # matches it, and FastAPI 0.137+ keeps an included router as one opaque entry of app.routes.
+        app.router.routes.extend(feature.router.routes)
     unmarked = unmarked_routes(app.router.routes)
     if unmarked:  # a route on no plane would be served to whichever key the default let in
         raise RuntimeError(f"routes declared without a plane (auth.on_plane): {unmarked}")

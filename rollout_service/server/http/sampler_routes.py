@@ -16,7 +16,7 @@ from ..groups.streaming import BoundedStream, HeldResults
 from ..sampler.sampler import Sampler
 from ..sampler.streams import dropped_line, sample_summary, summary_line
 from .auth import Plane, on_plane
-from .routes import ready
+from .route_helpers import ready
 
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
