@@ -53,11 +53,15 @@ docs: setup
 	$(BIN)/python bench/render.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-# The compose validator the tests use: Debian's docker-compose, installed where we may (root, apt).
+# The compose validator the tests use: Debian's docker-compose, installed where we may (root, apt);
+# and the browser the viewer's test drives (tests/test_viewer.py): Debian's chromium and its driver.
 tools:
 	@command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null) \
 	  || echo "note: docker-compose not installed; the compose check will be skipped"; }
+	@{ [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; } || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null) \
+	  || echo "NOTE: chromium and chromium-driver not installed; the viewer's browser test (tests/test_viewer.py) will be SKIPPED"; }
 
 clean:
 	rm -rf $(VENV) results .pytest_cache site

@@ -6,6 +6,12 @@ the field name in upper case), the `--help` text and the docs' configuration tab
 is taken from the command line if given there (falsy values included), else from the
 environment, else the model's default; the model then validates it, so a bad value reads as
 one line naming the flag.
+
+Why not pydantic-settings' own CLI source (`CliSettingsSource`), which reads flags and variables from
+a model too: asked the same things (tests/test_layout.py keeps asking), it refuses a list given in one
+variable as `a,b` (it wants JSON there), and a bad value comes back as pydantic's multi-line report
+naming the field (`max_n`), not the flag and variable a person typed; both would need a layer like
+this one on top of it.
 """
 
 from __future__ import annotations

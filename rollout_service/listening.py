@@ -1,7 +1,7 @@
 """A uvicorn server that says where it listens: with `--listen HOST:0` the system picks the port as the
 server binds it, and `--port-file PATH` receives that port once the server accepts connections.
 
-A launcher (tools/stack.py) that starts the service or refenv on port 0 reads the port back from the
+A launcher (launch/stack.py) that starts the service or refenv on port 0 reads the port back from the
 file instead of choosing a free port itself and handing it over: a port found free and closed again
 may be bound by anyone before the child binds it, a port the child binds is its own.
 """

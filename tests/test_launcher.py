@@ -1,4 +1,4 @@
-"""tools/stack.py's launcher: a child started with die_with_parent goes, with everything it started,
+"""launch/stack.py's launcher: a child started with die_with_parent goes, with everything it started,
 when the process that started it dies however it dies, also when that process runs threads (no
 preexec_fn); a normal stop still reaches the command itself. The oracle is the kernel's process
 table (psutil). Breaks tried: die_with_parent ignored (no guard) -> the child and its own child

@@ -262,7 +262,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("rollout_service.server.groups",),
     ("rollout_service.server.sampler",),
     ("rollout_service.server.service", "rollout_service.server.status"),
-    ("rollout_service.server.http",),
+    ("rollout_service.server.http", "rollout_service.viewer"),  # the viewer: pages the app serves (/ui)
     ("rollout_service.cluster",),
     ("rollout_service.tools",),
 ]
@@ -315,3 +315,29 @@ def test_the_arrow_check_sees_an_import_against_the_floors(tmp_path):
     graph = _module_imports(tree, ("rollout_service",), inside_functions=True)
     assert "rollout_service.server.lifecycle -> rollout_service.server.groups.runner" in _upward(graph, FLOORS)
     assert _module_imports(tree, ("rollout_service",))["rollout_service.server.lifecycle"] == set()
+
+
+def test_pydantic_settings_cli_still_lacks_what_flags_gives(monkeypatch):
+    """flags.py's reason to exist, asked of the library that could replace it (pydantic-settings' CLI
+    source): a list in one variable as `a,b`, and an error that names the flag. If this fails, the
+    library now does both: replace flags.py with it."""
+    pydantic_settings = pytest.importorskip("pydantic_settings")
+    from pydantic import Field
+
+    class Probe(pydantic_settings.BaseSettings):
+        model_config = pydantic_settings.SettingsConfigDict(env_prefix="ROLLOUT_PROBE_", cli_kebab_case=True)
+        env: list[str] = Field(default_factory=list)
+        max_n: int = Field(64, ge=1)
+
+    def read(argv: list[str]) -> object:
+        source = pydantic_settings.CliSettingsSource(Probe, root_parser=argparse.ArgumentParser(), cli_kebab_case=True)
+        try:
+            return Probe(_cli_settings_source=source(args=argv))  # type: ignore[call-arg]
+        except Exception as exc:
+            return exc
+
+    monkeypatch.setenv("ROLLOUT_PROBE_ENV", "http://a:1,http://b:2")
+    assert isinstance(read([]), Exception)  # flags.py: ["http://a:1", "http://b:2"]
+    monkeypatch.delenv("ROLLOUT_PROBE_ENV")
+    refused = read(["--max-n", "0"])
+    assert isinstance(refused, Exception) and "--max-n" not in str(refused)  # flags.py names --max-n and its variable

@@ -3,7 +3,7 @@
 Probed once per model route: whether the server takes token prompts at all, what the template puts
 after an assistant message's content (the end of turn), and whether the template's render of new
 messages after an assistant turn can be read apart (for templates that render history otherwise
-than the model saw it; trajectory.py says how each is used).
+than the model saw it; server/groups/trajectory.py says how each is used).
 """
 
 from __future__ import annotations

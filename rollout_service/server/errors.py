@@ -1,6 +1,6 @@
 """What the service answers when it cannot do what was asked: one exception per kind of refusal.
 
-The rooms raise these; `app.py` maps each kind to its HTTP status in one table (`HTTP_STATUS`), and
+The rooms raise these; `http/app.py` maps each kind to its HTTP status in one table (`HTTP_STATUS`), and
 every refusal is answered with the same JSON body: `{"error": code, "message": what to change}`.
 """
 

@@ -226,7 +226,8 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def _add_export(p: argparse.ArgumentParser) -> None:
+def _add_run_log(p: argparse.ArgumentParser) -> None:
+    """The run log a command reads: `run` and --runs-dir (export, view)."""
     from ..server.config import ENV_PREFIX
 
     p.add_argument("run", help="a run id (in --runs-dir) or a path to a run log (.jsonl)")
@@ -236,6 +237,10 @@ def _add_export(p: argparse.ArgumentParser) -> None:
         default=Path(os.environ.get(f"{ENV_PREFIX}RUNS_DIR") or "runs"),
         help=f"where run logs are (default runs, or ${ENV_PREFIX}RUNS_DIR)",
     )
+
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    _add_run_log(p)
     p.add_argument("--stage", default="executor", help="the stage whose turns to keep (default executor)")
     p.add_argument("--min-reward", type=float, default=0.0, help="keep attempts with reward >= this (default 0)")
     p.add_argument("--best-of-group", action="store_true", help="keep only each group's best attempt")
@@ -265,6 +270,23 @@ def _export(args: argparse.Namespace) -> int:
         print(line)
     print(f"wrote {args.out}")
     return 0
+
+
+def _add_view(p: argparse.ArgumentParser) -> None:
+    _add_run_log(p)
+    p.add_argument("--listen", default="127.0.0.1:8095", help="HOST:PORT (default 127.0.0.1:8095; port 0: any)")
+    p.add_argument("--port-file", type=Path, help="once listening, write the port here")
+    p.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="the variable holding the key the page must send (needed off loopback: a run log holds every prompt)",
+    )
+
+
+def _view(args: argparse.Namespace) -> int:
+    from ..viewer.serve import run
+
+    return run(args)
 
 
 def _add_keys(p: argparse.ArgumentParser) -> None:
@@ -564,6 +586,7 @@ COMMANDS: dict[str, _Command] = {
     "up": ("start vLLM, refenv (pool 8) and the service; keep them up until Ctrl-C", _add_up, _up),
     "vllm": ("prepare the embedded default model and run a local vLLM server for it", _add_vllm, _vllm),
     "export": ("write SFT records from a run log (distillation, rejection sampling)", _add_export, _export),
+    "view": ("serve the run viewer over a run log, read-only (loopback by default)", _add_view, _view),
     "keys": ("write the service's two keys to FILE (mode 0600) unless it holds them already", _add_keys, _keys),
     "env-token": (
         "write the envs' token to FILE and FILE.env (mode 0600) unless FILE holds one already",

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rollout_service import installed_version
 
 from ...protocol import describe_errors
+from ...viewer import attach_viewer
 from ..config import ServiceConfig
 from ..errors import (
     BackendFailed,
@@ -155,6 +156,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         # The routes themselves, not the router: PlaneAuth must see each route as the app's router
         # matches it, and FastAPI 0.137+ keeps an included router as one opaque entry of app.routes.
         app.router.routes.extend(feature.router.routes)
+    attach_viewer(app)  # the run viewer at /ui (rollout_service/viewer)
     unmarked = unmarked_routes(app.router.routes)
     if unmarked:  # a route on no plane would be served to whichever key the default let in
         raise RuntimeError(f"routes declared without a plane (auth.on_plane): {unmarked}")

@@ -1,6 +1,6 @@
 """The sampler's routes: POST /groups/sample, the streams (POST /samplers, GET/DELETE /samplers/{id},
 POST /samplers/{id}/pull) and GET /tasks/stats. Routes only: the engine is `sampler.Sampler`, the
-streams `sampler_streams.SamplerStreams`, the difficulty book `task_stats.TaskStatsBook`."""
+streams `sampler/streams.SamplerStreams`, the difficulty book `sampler/task_stats.TaskStatsBook`."""
 
 from __future__ import annotations
 

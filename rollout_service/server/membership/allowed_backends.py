@@ -18,7 +18,7 @@ import ipaddress
 import socket
 from collections.abc import Iterable
 
-import httpx
+import yarl
 
 from ...backends.addresses import Lookup, Network, parse_allowed, system_lookup
 from ..errors import Invalid
@@ -101,4 +101,5 @@ class AllowedBackends:
 
 
 def _host(url: str) -> str:
-    return httpx.URL(url).host.lower().rstrip(".")
+    # Read as the transport reads it (yarl, aiohttp's URL type): the host checked is the host connected to.
+    return (yarl.URL(url).host or "").lower().rstrip(".")

@@ -14,7 +14,7 @@ import logging
 import socket
 from dataclasses import dataclass
 
-import httpx
+import yarl
 
 from ...backends.env_client import (
     BadEnvAnswer,
@@ -345,20 +345,19 @@ async def server_addresses(url: str, timeout_s: float = 10.0) -> ServerKeys:
     loopback (localhost) is keyed by the addresses it resolves to, so localhost and 127.0.0.1 share
     one. Any other name is keyed by itself: two names on one address may be two servers behind one
     proxy (virtual hosts, an ingress). Where the host does not resolve in time, by itself too."""
-    parsed = httpx.URL(url)
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    path = parsed.path.rstrip("/")
-    by_name = frozenset({(parsed.host.lower(), port, path)})
+    parsed = yarl.URL(url)  # as the transport reads it (aiohttp's URL type)
+    host, port, path = (parsed.host or "").lower(), parsed.port or 80, parsed.path.rstrip("/")
+    by_name = frozenset({(host, port, path)})
     loop = asyncio.get_running_loop()
     try:
-        found = await asyncio.wait_for(loop.getaddrinfo(parsed.host, port, type=socket.SOCK_STREAM), timeout_s)
+        found = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout_s)
     except (OSError, UnicodeError, TimeoutError):
         return by_name
     # A client connecting to the unspecified address reaches this host's loopback.
     unspecified = {"0.0.0.0": "127.0.0.1", "::": "::1"}
     addresses = {unspecified.get(str(info[4][0]), str(info[4][0])) for info in found}
     loopback = all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
-    if not (loopback or _ip_literal(parsed.host)):
+    if not (loopback or _ip_literal(host)):
         return by_name
     return frozenset((address, port, path) for address in addresses)
 

@@ -3,7 +3,7 @@ full-weight checkpoint reloaded (checked to have changed, labelled as it goes), 
 push labelled, an adapter nothing uses unloaded.
 
 Each `*_everywhere` call answers one outcome per replica and raises nothing a replica did; the
-policy manager (policy.py) decides from the outcomes what is served and routed.
+policy manager (manager.py) decides from the outcomes what is served and routed.
 """
 
 from __future__ import annotations

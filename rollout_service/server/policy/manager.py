@@ -1,6 +1,6 @@
 """The policy the replicas serve, and how a trainer changes it (POST /policy): the policy manager,
-which wires the version book (policy_versions.py), the pause (policy_pause.py) and the updates
-applied to replicas (policy_apply.py), one update at a time.
+which wires the version book (versions.py), the pause (pause.py) and the updates
+applied to replicas (apply.py), one update at a time.
 
 No replica is ever routed while it may serve weights the service does not know it serves: one
 that failed to take an update, stopped answering (it may have restarted on the base weights),

@@ -8,7 +8,7 @@ already sent finishes on the adapter it named). A full-weight update changes the
 the turns in flight (vLLM pauses them and goes on after the reload), so such a turn records
 both versions and is marked mixed.
 
-This module asks no replica anything: the policy manager (policy.py) acts on what it says.
+This module asks no replica anything: the policy manager (manager.py) acts on what it says.
 """
 
 from __future__ import annotations
