@@ -131,7 +131,8 @@ _BY_STATUS: dict[int, type[EnvError]] = {
 
 # An episode's answers come every turn: decoded by msgspec into the structs below in one pass (in C,
 # fields the service does not read skipped), not parsed into dicts and then validated by pydantic.
-# Strict as pydantic's strict mode: a string is not a number, nor a number a string.
+# Lax as the pydantic model they replace was (strict=False): a number or a bool may come as its string
+# ("1.5", "true"), but a number is not a string (an episode_id of 5 is refused).
 
 
 class Observation(msgspec.Struct):
@@ -339,7 +340,7 @@ def _object(answer: HttpAnswer, call: str) -> dict:
     return data
 
 
-_STEP_ANSWER = msgspec.json.Decoder(StepAnswer)
+_STEP_ANSWER = msgspec.json.Decoder(StepAnswer, strict=False)
 
 
 def _step_answer(answer: HttpAnswer, call: str) -> StepAnswer:
@@ -352,7 +353,7 @@ def _step_answer(answer: HttpAnswer, call: str) -> StepAnswer:
         pass
     data = _object(answer, call)
     try:
-        return msgspec.convert(data, StepAnswer)
+        return msgspec.convert(data, StepAnswer, strict=False)
     except msgspec.ValidationError as exc:
         raise BadEnvAnswer(answer.status, "invalid_answer", f"StepAnswer: {exc}") from None
 
