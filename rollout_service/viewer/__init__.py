@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from ..server.http.auth import attach_routes
 from .live import LiveBook, hook
 from .routes import SecurityHeaders, router
 
@@ -19,5 +20,4 @@ def attach_viewer(app: FastAPI) -> None:
     book = LiveBook(app.state.service)
     app.state.viewer = book
     hook(app, book)
-    # The routes themselves, not the router: PlaneAuth matches the app's own route list (see http/app.py).
-    app.router.routes.extend(router.routes)
+    attach_routes(app, router)

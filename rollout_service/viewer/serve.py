@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..server.http.app import _http_error, _validation_error
-from ..server.http.auth import Keys, Plane, PlaneAuth, loopback_listen, loopback_url, on_plane
+from ..server.http.auth import Keys, Plane, PlaneAuth, attach_routes, loopback_listen, loopback_url, on_plane
 from ..server.http.middleware import error_response
 from .routes import PREFIX, SecurityHeaders, router
 from .runlog_book import RunLogBook
@@ -44,8 +44,7 @@ class LoopbackHostOnly:
 def create_view_app(book: RunLogBook, key: str | None) -> FastAPI:
     app = FastAPI(title="rollout-service view", redirect_slashes=False, openapi_url=None, docs_url=None)
     app.state.viewer = book
-    # The routes themselves, not the router: PlaneAuth matches the app's own route list (see http/app.py).
-    app.router.routes.extend(router.routes)
+    attach_routes(app, router)
 
     @app.get("/", openapi_extra=on_plane(Plane.PUBLIC), include_in_schema=False)
     async def home() -> Response:

@@ -32,7 +32,7 @@ from ..errors import (
 )
 from ..service import RolloutService
 from . import group_routes, membership_routes, policy_routes, sampler_routes, status_routes
-from .auth import PlaneAuth, service_keys, unmarked_routes
+from .auth import PlaneAuth, attach_routes, service_keys, unmarked_routes
 from .middleware import BodyLimit, RefuseControlPaths, error_response
 
 log = logging.getLogger("rollout_service.app")
@@ -153,9 +153,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     )
     app.state.service = service
     for feature in (group_routes, policy_routes, membership_routes, sampler_routes, status_routes):
-        # The routes themselves, not the router: PlaneAuth must see each route as the app's router
-        # matches it, and FastAPI 0.137+ keeps an included router as one opaque entry of app.routes.
-        app.router.routes.extend(feature.router.routes)
+        attach_routes(app, feature.router)
     attach_viewer(app)  # the run viewer at /ui (rollout_service/viewer)
     unmarked = unmarked_routes(app.router.routes)
     if unmarked:  # a route on no plane would be served to whichever key the default let in

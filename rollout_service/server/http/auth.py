@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
+from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -54,6 +55,12 @@ def route_plane(route: BaseRoute) -> Plane:
     if isinstance(route, APIRoute):
         return Plane(route.openapi_extra[_PLANE_FIELD]) if route.openapi_extra else Plane.DATA
     return Plane.DATA
+
+
+def attach_routes(app: FastAPI, router: APIRouter) -> None:
+    """Put `router`'s routes themselves on `app`, not the router: PlaneAuth matches each route as the
+    app's router does, and FastAPI 0.137+ keeps an included router as one opaque entry of app.routes."""
+    app.router.routes.extend(router.routes)
 
 
 def unmarked_routes(routes: Sequence[BaseRoute]) -> list[str]:
