@@ -30,11 +30,10 @@ def _tcp_state(sock: socket.socket) -> int:
 def test_an_unread_batch_is_cut_its_connection_closed_and_its_groups_cancelled(
     start_refenv, start_service, start_scripted_model
 ):
-    """Breaks tried: BoundedStream not calling abort_connection on a stall (the old code) -> fails at
-    `the service closed the connection` after 120 s; abort_connection without SO_LINGER 0 (transport.abort() alone) -> the kernel keeps
-    the unsent bytes and the reader's socket stays established: fails at `the service closed the
-    connection` (as it did before, when a stall only returned and uvicorn's close() waited to write
-    the buffer to a reader that never reads)."""
+    """Breaks tried, each failing at `the service closed the connection`: BoundedStream not calling
+    abort_connection on a stall (the old code: uvicorn's close() waits to write the buffer to a reader
+    that never reads); abort_connection without SO_LINGER 0 (transport.abort() alone: the kernel keeps
+    the unsent bytes and sends on, the reader's socket stays established)."""
     model = start_scripted_model("sql-forever")
     env = start_refenv("--pool", "4")
     service = start_service([env.url], "--stream-stall-timeout", "3", vllm=model.url, model="scripted")
