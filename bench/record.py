@@ -24,14 +24,14 @@ RESULTS = ROOT / "bench" / "results"
 REQUIRED = ("benchmark", "title", "command", "commit", "machine", "date", "figures")
 
 
-def commit() -> str:
-    """The checked-out commit, `+dirty` when tracked files differ from it; `unknown` outside git."""
+def commit(tree: Path = ROOT) -> str:
+    """`tree`'s checked-out commit, `+dirty` when tracked files differ from it; `unknown` outside git."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short=7", "HEAD"], cwd=tree, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

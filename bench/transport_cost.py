@@ -10,7 +10,7 @@ varies by 15% from run to run; the count by well under 1%).
 (aiohttp, yarl, multidict, orjson, uvloop, pydantic: the versions matter, so pin this venv's); rows
 say each one's version.
 
-For each tree (its `inference/` is the one imported) and answer size, a client process sends POSTs
+For each tree (its `rollout_service/backends/` is the one imported) and answer size, a client process sends POSTs
 (a 500-id prompt as JSON, as an exact turn's completion) through `rollout_service.backends.transport.make_transport`
 to an instant stand-in server in a process of its own (bench/standins.py's; its answer is JSON of
 the given size), 32 at a time, and reads each answer as the service does (`HttpAnswer.json()`).
@@ -87,8 +87,8 @@ def _instructions(python: str, tree: Path, port: int, requests: int) -> int:
 
 
 def _label(tree: Path) -> str:
-    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=tree, capture_output=True, text=True)
-    return f"{tree.name} ({head.stdout.strip() or 'not git'})"
+    """The tree's folder and commit (`+dirty`: a variant measured uncommitted)."""
+    return f"{tree.name} ({record.commit(tree)})"
 
 
 def _version(python: str) -> str:
@@ -112,7 +112,7 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("transport_cost.py counts instructions with valgrind, which is not installed", file=sys.stderr)
         return 2
-    # Here, not at the top: the client processes import only their tree's `inference`.
+    # Here, not at the top: the client processes import only their tree's `rollout_service`.
     from rollout_service.launch.stack import ManagedProcess, fresh_port_file
 
     trees = [tree.resolve() for tree in args.trees]

@@ -561,6 +561,10 @@ class PolicyUpdateResult(BaseModel):
 class ReplicaState(BaseModel):
     url: str
     version: str | None = Field(description="the version it serves; null while the service brings it up to date")
+    state: Literal["joining", "serving", "restoring", "paused", "excluded", "draining"] = Field(
+        "serving",
+        description="where it stands: routed only while serving (docs/architecture.md, the replica states)",
+    )
     routed: bool
     reason: str | None = None
     draining: bool = Field(False, description="being taken out: no new turn goes to it")

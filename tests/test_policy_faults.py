@@ -139,7 +139,7 @@ def test_r2_a_restore_racing_an_update_leaves_the_replica_on_the_new_version(tmp
         assert await until(lambda: bool(r1.calls("/collective_rpc")))  # the restore's reload is under way
         r1.reload_delay = 0.0  # ... the update's reload of v2 is fast
         await pm.update(PolicyUpdate(version="v2", weights={"path": v2}))
-        assert await until(lambda: not pm._restoring)  # the restore has ended, one way or the other
+        assert await until(lambda: not pm.states.restoring())  # the restore has ended, one way or the other
         assert (r1.weights, r1.label) == (v2, "v2"), "the restore of v1 landed over the update to v2"
         assert ep1.excluded is None
         for ep in chat.routable():
@@ -380,7 +380,7 @@ def test_r14_a_lora_update_before_a_restore_puts_the_adapter_on_the_right_full_w
         r1.restart()
         await pm.reconcile(ep1, await chat.list_models(ep1))  # the restore is spawned, not yet holding the lock
         await pm.update(PolicyUpdate(version="a2", lora={"path": adapter(tmp_path, "a2")}))
-        assert await until(lambda: not pm._restoring and ep1.excluded is None)
+        assert await until(lambda: not pm.states.restoring() and ep1.excluded is None)
         before = len(r1.chats())
         for k in range(8):
             assert await turn(chat, pm, f"g{k}") == ("a2", f"{v1}+{tmp_path}/a2")
@@ -463,7 +463,7 @@ def test_r15_a_replica_found_restarted_after_a_stop_gets_no_restore(tmp_path, st
         await pm.reconcile(ep1, await chat.list_models(ep1))
         await asyncio.sleep(0)  # a restore spawned now would have made its first call by the next check
         assert not pm._tasks and len(r1.calls("/collective_rpc")) == reloads and r1.label == "default"
-        assert not pm._restoring  # nothing marked as being restored that no task will ever clear
+        assert not pm.states.restoring()  # nothing marked as being restored that no task will ever clear
         await pm.close()
         await chat.aclose()
 
@@ -506,7 +506,7 @@ def test_r17_close_lets_a_restore_under_way_finish_its_reload(tmp_path):
         assert await until(lambda: len(r1.calls("/collective_rpc")) > reloads)  # the reload is under way
         await pm.close()
         assert (r1.weights, r1.label) == (path, label), (r1.weights, r1.label)
-        assert not pm._tasks and not pm._restoring
+        assert not pm._tasks and not pm.states.restoring()
         await chat.aclose()
 
     run(go())

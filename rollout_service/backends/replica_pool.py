@@ -9,16 +9,13 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from .addresses import AddressPolicy
 from .answers import Completion, TokenizeAnswer
 from .engine import Engine, VllmServer
 from .errors import BadInferenceResponse, InferenceError, InferenceServerError, InferenceTimeout, InferenceUnreachable
 from .transport import DEFAULT_MAX_ANSWER_BYTES, HttpTransport, make_transport
-
-if TYPE_CHECKING:
-    pass
 
 T = TypeVar("T")
 
@@ -96,14 +93,23 @@ class ReplicaPool:
 
     # -- routing -------------------------------------------------------------------------------
 
-    def exclude(self, endpoint: Endpoint, reason: str | None) -> None:
-        """Take a replica out of routing (reason) or put it back (None; not while it drains)."""
+    # Only the server's replica states (server/policy/replica_states.py) call these five: the pool
+    # routes as they say, and never decides a replica's standing itself.
+
+    def exclude(self, endpoint: Endpoint, reason: str) -> None:
+        """Take a replica out of routing, saying why (a draining one stays as it is)."""
         if endpoint.draining:
             return
         endpoint.excluded = reason
         endpoint.changed.set()
-        if reason is None:
-            self._routable_again.set()
+
+    def readmit(self, endpoint: Endpoint) -> None:
+        """Put a replica back in routing (not while it drains)."""
+        if endpoint.draining:
+            return
+        endpoint.excluded = None
+        endpoint.changed.set()
+        self._routable_again.set()
 
     # -- membership: replicas added, drained and removed at runtime ----------------------------
 
@@ -120,9 +126,12 @@ class ReplicaPool:
         )
 
     def add(self, endpoint: Endpoint, excluded: str | None = None) -> None:
-        """Route to one more replica, at once or once `exclude(endpoint, None)` lets it in."""
+        """Route to one more replica, at once or once `readmit(endpoint)` lets it in."""
         self.endpoints.append(endpoint)
-        self.exclude(endpoint, excluded)
+        if excluded is None:
+            self.readmit(endpoint)
+        else:
+            self.exclude(endpoint, excluded)
 
     def drain(self, endpoint: Endpoint, why: str) -> None:
         """No new turn goes to it; groups pinned there move at their next turn, turns in flight end."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -56,9 +57,20 @@ class Metrics:
         )
         self._continued = {how: self.continuations.labels(how=how) for how in get_args(Continuation)}
         self.turns = Counter("rollout_turns", "Policy turns generated, by policy version", ["version"], registry=r)
+        self.replicas = Gauge(
+            "rollout_replicas",
+            "Model server replicas by route and state: joining, serving, restoring, paused, excluded, draining",
+            ["role", "state"],
+            registry=r,
+        )
         self.policy_updates = Histogram(
             "rollout_policy_update_seconds", "Policy updates, by kind", ["kind"], buckets=_LATENCY_BUCKETS, registry=r
         )
+
+    def replicas_in(self, role: str, counts: Mapping[str, int]) -> None:
+        """How many of a route's replicas stand in each phase (server/policy/replica_states.py)."""
+        for phase, count in counts.items():
+            self.replicas.labels(role=role, state=phase).set(count)
 
     def forget_env(self, url: str) -> None:
         """An env removed: its series goes (it held no episode), rather than staying at 0 for ever."""

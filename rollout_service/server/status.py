@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..protocol import PolicyState
 from .groups.admission import Admission
@@ -17,6 +17,7 @@ from .membership.envs import EnvRegistry
 from .membership.monitor import BackendMonitor
 from .membership.replicas import ReplicaRegistry, token_prompts
 from .membership.world_scheduler import WorldScheduler
+from .policy.replica_states import Phase
 
 
 class _Probed(BaseModel):
@@ -46,6 +47,7 @@ class ModelDetail(_Probed):
     role: str
     model: str
     outstanding: int
+    state: str = Field(description="where it stands: joining, serving, restoring, paused, excluded, draining")
     token_prompts: str
     out_of_routing: str | None = None
     last_error: str | None = None
@@ -99,7 +101,8 @@ class Health:
         if not self.lifecycle.ready:
             return "failed" if self.lifecycle.startup_failure else "starting"
         ok = self.monitor.all_ok() and (self.run_log is None or self.run_log.error is None)
-        routed = all(e.excluded is None or e.draining for e in self.replicas.policy.client.endpoints)
+        policy = self.replicas.states["policy"]
+        routed = all(policy.phase(e) in (Phase.SERVING, Phase.DRAINING) for e in self.replicas.policy.client.endpoints)
         paused = self.replicas.versions.paused
         return "ok" if ok and routed and not paused and not self.envs.unserved(first_only=True) else "degraded"
 
@@ -131,15 +134,17 @@ class Health:
         models = []
         for role, route in self.replicas.model_routes():
             for endpoint in route.client.endpoints:
+                standing = self.replicas.states[role].report(endpoint)
                 state: dict[str, Any] = {
                     "url": endpoint.url,
                     "role": role,
                     "model": route.model,
                     "outstanding": endpoint.outstanding,
+                    "state": standing.state,
                     "token_prompts": "no: support turns go as chat" if role == "support" else token_prompts(route),
                 }
-                if endpoint.excluded:
-                    state["out_of_routing"] = endpoint.excluded
+                if not standing.routed:
+                    state["out_of_routing"] = standing.reason
                 state.update(self.monitor.model_state(role, endpoint.url))
                 if endpoint.last_error:
                     state["last_error"] = endpoint.last_error[:300]

@@ -16,7 +16,8 @@ from ..config import ServiceConfig
 from ..errors import BackendTimedOut, Conflict, Invalid, NotFound, StartupError, shutting_down
 from ..lifecycle import Lifecycle, NotYet, ask_until_ready
 from ..metrics import Metrics
-from ..policy.manager import PolicyManager, replica_state
+from ..policy.manager import PolicyManager
+from ..policy.replica_states import Phase, ReplicaStates
 from ..task_sets import all_or_none
 from .allowed_backends import AllowedBackends
 from .targets import ModelRoute
@@ -63,6 +64,11 @@ class ReplicaRegistry:
                 served_model=spec.model,
             )
             for spec in config.model_endpoint
+        }
+        # Each route's replicas' standing, the one writer of its routing: the policy's is the manager's.
+        self.states: dict[str, ReplicaStates] = {
+            role: self.versions.states if role == "policy" else ReplicaStates(route.client, metrics, role)
+            for role, route in self.model_routes()
         }
         self.adding: set[str] = set()  # replicas being added, not yet routed
         # The service's own secrets: a replica added by URL may not be sent one of them as its key.
@@ -164,7 +170,7 @@ class ReplicaRegistry:
                 if self.lifecycle.closing:  # the join waited for the update lock while a stop was asked for
                     raise shutting_down()
             else:
-                route.client.add(endpoint)
+                self.states[body.role].admit(endpoint)
         except TimeoutError:
             raise BackendTimedOut(
                 "replica_not_ready", f"{body.url} did not list a model within timeout_s={body.timeout_s:g}"
@@ -186,13 +192,16 @@ class ReplicaRegistry:
     def drain(self, body: ReplicaRef) -> ReplicaState:
         """No new turn to this replica: groups pinned there move at their next turn."""
         route, endpoint = self._present(body)
-        others = [e for e in route.client.endpoints if e is not endpoint and e.excluded is None]
+        states = self.states[body.role]
+        if states.phase(endpoint) is Phase.DRAINING:
+            return self.state(body.role, endpoint)  # asked again (a retry): it drains already
+        others = [e for e in route.client.endpoints if e is not endpoint and states.phase(e) is Phase.SERVING]
         if not others:
             raise Conflict(
                 "last_replica",
                 f"{endpoint.url} is the last {body.role} replica in routing: add one (and let it be routed) first",
             )
-        route.client.drain(endpoint, "draining: no new turn goes to it")
+        states.drain(endpoint, "draining: no new turn goes to it")
         log.info("%s replica %s draining: no new turn goes to it", body.role, endpoint.url)
         return self.state(body.role, endpoint)
 
@@ -201,7 +210,7 @@ class ReplicaRegistry:
         route, endpoint = self._present(body)
         if body.role == "policy" and self.versions.paused:
             raise Conflict("policy_paused", "the policy replicas are paused for a weight push: POST /policy first")
-        if not endpoint.draining:
+        if self.states[body.role].phase(endpoint) is not Phase.DRAINING:
             self.drain(body)
         if not await route.client.until(endpoint, lambda: not endpoint.outstanding, body.timeout_s):
             raise Conflict(
@@ -215,7 +224,7 @@ class ReplicaRegistry:
         if body.role == "policy":
             await self.versions.leave(endpoint)
         else:
-            route.client.remove(endpoint)
+            self.states[body.role].forget(endpoint)
         log.info("%s replica %s removed", body.role, endpoint.url)
         return state
 
@@ -237,7 +246,7 @@ class ReplicaRegistry:
         return route, endpoint
 
     def state(self, role: str, endpoint: Endpoint) -> ReplicaState:
-        return replica_state(endpoint, self.versions.serving.get(endpoint.url) if role == "policy" else None)
+        return self.states[role].report(endpoint)
 
 
 def token_prompts(route: ModelRoute) -> str:

@@ -16,6 +16,7 @@ from ...backends.errors import WeightUpdateError
 from ...backends.replica_pool import Endpoint, ReplicaPool, engine_of
 from .pause import PauseLease
 from .replica_calls import Outcome, Unchanged, failed, listed_models, read_checksums, read_label, timed
+from .replica_states import Phase, ReplicaStates
 from .versions import RELOADING, PolicyVersion, VersionBook, weights_match
 
 log = logging.getLogger("rollout_service.policy")
@@ -24,9 +25,10 @@ log = logging.getLogger("rollout_service.policy")
 class ReplicaUpdater:
     """Each call asks the replicas' engines (rollout_service/backends/engine.py), never a server's URL."""
 
-    def __init__(self, client: ReplicaPool, book: VersionBook, pause: PauseLease) -> None:
+    def __init__(self, client: ReplicaPool, book: VersionBook, states: ReplicaStates, pause: PauseLease) -> None:
         self.client = client
         self.book = book
+        self.states = states
         self.pause = pause
 
     async def load_adapter_everywhere(self, version: PolicyVersion) -> list[Outcome]:
@@ -40,7 +42,7 @@ class ReplicaUpdater:
             await asyncio.gather(
                 *(
                     timed(e, self.bring_to(e, version))
-                    if self.book.serving.get(e.url) is None or e.excluded is not None
+                    if self.states.phase(e) is not Phase.SERVING
                     else timed(e, self._load_over_checked_weights(engine_of(e), version))
                     for e in self.client.endpoints
                 )
@@ -95,9 +97,9 @@ class ReplicaUpdater:
     async def bring_to(self, endpoint: Endpoint, version: PolicyVersion) -> None:
         """Full weights first where they differ from those `version` stands on, then its adapter."""
         engine = engine_of(endpoint)
-        if endpoint.url in self.pause.still_paused:
+        if self.states.held_paused(endpoint):
             await engine.resume()
-            self.pause.still_paused.discard(endpoint.url)
+            self.states.resumed(endpoint)
         beneath = version.weights if version.kind == "lora" else version
         label = await read_label(engine)
         wanted = version.weights_label

@@ -1,6 +1,6 @@
 """The policy the replicas serve, and how a trainer changes it (POST /policy): the policy manager,
-which wires the version book (versions.py), the pause (pause.py) and the updates
-applied to replicas (apply.py), one update at a time.
+which wires the version book (versions.py), each replica's standing (replica_states.py), the pause
+(pause.py) and the updates applied to replicas (apply.py), one update at a time.
 
 No replica is ever routed while it may serve weights the service does not know it serves: one
 that failed to take an update, stopped answering (it may have restarted on the base weights),
@@ -16,13 +16,14 @@ import time
 
 from ...backends.errors import InferenceError, WeightUpdateError
 from ...backends.replica_pool import Endpoint, ReplicaPool, engine_of
-from ...protocol import PolicyState, PolicyUpdate, PolicyUpdateResult, ReplicaState, ReplicaUpdate
+from ...protocol import PolicyState, PolicyUpdate, PolicyUpdateResult, ReplicaUpdate
 from ..errors import BackendFailed, Conflict, Invalid, StartupError
 from ..metrics import Metrics
 from .apply import ReplicaUpdater
 from .checkpoints import check_checkpoint
 from .pause import PauseLease
 from .replica_calls import describe, is_paused, listed_models, read_label
+from .replica_states import Phase, ReplicaStates
 from .versions import DEFAULT_WEIGHTS, RELOADING, PolicyVersion, TurnLease, VersionBook, weights_match
 
 log = logging.getLogger("rollout_service.policy")
@@ -47,12 +48,13 @@ class PolicyManager:
         self.base_model = base_model
         self.metrics = metrics
         self._lock = asyncio.Lock()
-        self.book = VersionBook(base_model, [e.url for e in client.endpoints])
+        self.book = VersionBook(base_model)
         if max_loras is not None:
             self.book.max_loras = max_loras  # how many pinned versions' adapters may stay loaded
-        self.pause_lease = PauseLease(client, self.book, self._lock, pause_timeout_s, max_pause_timeout_s)
-        self.updater = ReplicaUpdater(client, self.book, self.pause_lease)
-        self._restoring: set[str] = set()
+        # Each replica's standing, and through it the pool's routing: the manager never routes itself.
+        self.states = ReplicaStates(client, metrics, "policy", self.book.current.label)
+        self.pause_lease = PauseLease(client, self.book, self.states, self._lock, pause_timeout_s, max_pause_timeout_s)
+        self.updater = ReplicaUpdater(client, self.book, self.states, self.pause_lease)
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
         client.on_failure = self._on_failure
@@ -60,11 +62,6 @@ class PolicyManager:
     @property
     def current(self) -> PolicyVersion:
         return self.book.current
-
-    @property
-    def serving(self) -> dict[str, str | None]:
-        """The version each replica is known to serve (None: not known, so not routed)."""
-        return self.book.serving
 
     @property
     def paused(self) -> bool:
@@ -102,6 +99,7 @@ class PolicyManager:
             label = found.pop()
             assert label is not None
             self.book.start_on(label)
+            self.states.start_on(label)
 
     async def close(self) -> None:
         """Never leave a replica paused: wait (bounded) for an update under way, then resume what
@@ -207,14 +205,14 @@ class PolicyManager:
             else:
                 version = PolicyVersion(update.version, step, "pushed", self.base_model)
                 outcomes = await self.updater.finish_push(version)
-            still_paused = self.pause_lease.still_paused
-            took = [o for o in outcomes if o.ok and o.url not in still_paused]
+            held_paused = self.states.held_paused
+            took = [o for o in outcomes if o.ok and not held_paused(o.endpoint)]
             if version.kind == "weights":
                 # A failed reload may have left a replica without weights: out of routing until the
                 # monitor has read its label (see RELOADING) and, if need be, reloaded it.
                 for outcome in outcomes:
                     if not outcome.ok and not outcome.unchanged:
-                        self.client.exclude(outcome.endpoint, f"reload failed: {outcome.error}")
+                        self.states.exclude(outcome.endpoint, f"reload failed: {outcome.error}")
             if not took:
                 refusal = Invalid if all(o.refused for o in outcomes) else BackendFailed
                 kept = (
@@ -229,14 +227,12 @@ class PolicyManager:
                 )
             self.book.adopt(version)
             for outcome in outcomes:
-                endpoint = outcome.endpoint
-                if outcome.url in still_paused:
+                if held_paused(outcome.endpoint):
                     continue  # still paused: the monitor resumes it before it is routed
                 if outcome.ok:
-                    self.serving[outcome.url] = version.label
-                    self.client.exclude(endpoint, None)
+                    self.states.serve(outcome.endpoint, version.label)
                 else:
-                    self.client.exclude(endpoint, f"did not take version {version.label}: {outcome.error}")
+                    self.states.exclude(outcome.endpoint, f"did not take version {version.label}: {outcome.error}")
             if self.book.unused_adapter(previous):
                 self._spawn(self.updater.unload(previous.served_model))
             result = PolicyUpdateResult(
@@ -275,16 +271,17 @@ class PolicyManager:
         """A turn or a probe found the replica down: it may come back on its launch weights."""
         if self.current.kind == "base" or endpoint not in self.client.endpoints:
             return  # a restarted replica serves the base weights too; a removed one is nobody's concern
-        self.serving[endpoint.url] = None
-        self.client.exclude(endpoint, f"{why}: routed again once it is checked to serve {self.current.label}")
+        self.states.exclude(endpoint, f"{why}: routed again once it is checked to serve {self.current.label}")
 
     async def reconcile(self, endpoint: Endpoint, models: list[str]) -> None:
         """Called by the monitor for a replica that answered: is it on the current version? If not,
         take it out of routing and bring it there (in the background)."""
         if self._closing:
             return
-        if self._lock.locked() or self.paused or endpoint.url in self._restoring:
+        if self._lock.locked() or self.paused or self.states.phase(endpoint) is Phase.RESTORING:
             return  # an update, the trainer's pause or a restore is deciding for it
+        if self.states.phase(endpoint) is Phase.DRAINING:
+            return await self._resume_draining(endpoint)  # it leaves: not restored, but never left paused
         if endpoint not in self.client.endpoints:
             return  # removed while it was probed
         current = self.current
@@ -294,27 +291,33 @@ class PolicyManager:
                 # The list may predate a restore that has just finished: ask again before acting.
                 ok = await self._serves(endpoint, current, await listed_models(engine_of(endpoint)))
         except WeightUpdateError as exc:
-            self.client.exclude(endpoint, f"cannot tell which weights it serves: {exc.detail}")
+            self.states.exclude(endpoint, f"cannot tell which weights it serves: {exc.detail}")
             return
         if (
             current is not self.current
             or self._lock.locked()
-            or endpoint.url in self._restoring
+            or self.states.phase(endpoint) in (Phase.RESTORING, Phase.DRAINING)
+            or (ok and self.states.held_paused(endpoint))
             or endpoint not in self.client.endpoints
         ):
             return  # an update started or landed, or a restore began, meanwhile: the next probe looks again
         if ok:
-            self.serving[endpoint.url] = current.label
-            if endpoint.excluded is not None:
-                self.client.exclude(endpoint, None)
+            self.states.serve(endpoint, current.label)
             return
-        self.serving[endpoint.url] = None
-        self.client.exclude(endpoint, f"does not serve {current.label} (restarted?); bringing it there")
-        self._restoring.add(endpoint.url)
+        self.states.restore(endpoint, f"does not serve {current.label} (restarted?); bringing it there")
         self._spawn(self._restore(endpoint, current))
 
+    async def _resume_draining(self, endpoint: Endpoint) -> None:
+        """A draining replica this service left paused (its resume failed, or a pause lease ran out on
+        it): the turns frozen there end, and it can be removed, only once it is resumed."""
+        if not await is_paused(engine_of(endpoint)):  # asked before the lock: an update never waits on it
+            return
+        async with self._lock:  # outside an update and the trainer's pause, nothing else holds it paused
+            if not self.paused and endpoint in self.client.endpoints:
+                await self.pause_lease.resume([endpoint])
+
     async def _serves(self, endpoint: Endpoint, version: PolicyVersion, models: list[str]) -> bool:
-        if endpoint.url in self.pause_lease.still_paused:
+        if self.states.held_paused(endpoint):
             return False
         if version.kind == "lora" and version.served_model not in models:
             return False
@@ -322,18 +325,16 @@ class PolicyManager:
 
     async def _restore(self, endpoint: Endpoint, version: PolicyVersion) -> None:
         """Bring a replica to `version`: its full weights first where they differ, then its adapter."""
-        url = endpoint.url
         try:
             async with self._lock:  # never alongside an update: one of the two would undo the other
-                if version is self.current and not self.paused:
+                if version is self.current and not self.paused and endpoint in self.client.endpoints:
                     await self.updater.bring_to(endpoint, version)
-                    self.serving[url] = version.label
-                    self.client.exclude(endpoint, None)
-                    log.info("replica %s brought back to version %s", url, version.label)
+                    self.states.serve(endpoint, version.label)
+                    log.info("replica %s brought back to version %s", endpoint.url, version.label)
         except WeightUpdateError as exc:
-            self.client.exclude(endpoint, f"could not be brought to version {version.label}: {exc.detail}")
+            self.states.exclude(endpoint, f"could not be brought to version {version.label}: {exc.detail}")
         finally:
-            self._restoring.discard(url)
+            self.states.restore_ended(endpoint)  # out of routing, unless it was brought there
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -343,12 +344,15 @@ class PolicyManager:
         added, when an update or a restore still holds the replica list after `timeout_s`."""
         try:
             async with asyncio.timeout(max(0.0, timeout_s)):
+                # Left paused (by a service that could not resume it, as at start): resumed before routed.
+                paused = await is_paused(engine_of(endpoint))
                 await self._lock.acquire()  # a cancelled acquire leaves the lock free (asyncio.Lock)
         except TimeoutError:
             return False
         try:
-            self.serving[endpoint.url] = None
-            self.client.add(endpoint, f"joining: routed once it serves version {self.current.label}")
+            self.states.join(endpoint, f"joining: routed once it serves version {self.current.label}")
+            if paused:
+                self.states.hold_paused(endpoint, "found paused when it joined: resumed before it is routed")
         finally:
             self._lock.release()
         await self.reconcile(endpoint, models)
@@ -359,9 +363,7 @@ class PolicyManager:
         async with self._lock:
             if endpoint not in self.client.endpoints:  # a second removal waited for the lock too
                 return
-            self.client.remove(endpoint)
-            self.serving.pop(endpoint.url, None)
-            self.pause_lease.still_paused.discard(endpoint.url)
+            self.states.forget(endpoint)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -373,7 +375,7 @@ class PolicyManager:
             paused=self.paused,
             pause_expires_in=self.pause_lease.expires_in,
             served_model=self.current.served_model,
-            replicas=[replica_state(e, self.serving.get(e.url)) for e in self.client.endpoints],
+            replicas=[self.states.report(e) for e in self.client.endpoints],
             recent_updates=list(self.book.history),
         )
 
@@ -384,13 +386,3 @@ class PolicyManager:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def replica_state(endpoint: Endpoint, version: str | None) -> ReplicaState:
-    return ReplicaState(
-        url=endpoint.url,
-        version=version,
-        routed=endpoint.excluded is None,
-        reason=endpoint.excluded,
-        draining=endpoint.draining,
-    )

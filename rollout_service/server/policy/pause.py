@@ -2,7 +2,8 @@
 service's own pause around a reload, and resuming what either held.
 
 While anything holds the replicas paused no turn starts (it would start on weights being replaced).
-A replica that does not resume stays out of routing until the monitor has resumed it.
+A replica that does not resume is held paused (replica_states.py): out of routing until the monitor
+has resumed it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from ...backends.errors import WeightUpdateError
 from ...backends.replica_pool import Endpoint, ReplicaPool, engine_of
 from ..errors import BackendFailed, Conflict, Invalid
 from .replica_calls import describe, read_label, timed
+from .replica_states import ReplicaStates
 from .versions import VersionBook, weights_match
 
 log = logging.getLogger("rollout_service.policy")
 
 
 class PauseLease:
-    """Which replicas this service holds paused, until when, and which it could not resume.
+    """Which replicas the trainer's pause holds, and until when (those this service could not resume
+    are held paused in their standing: replica_states.py).
 
     `lock` is the policy manager's: a pause, its lease running out and an update never interleave."""
 
@@ -29,12 +32,14 @@ class PauseLease:
         self,
         client: ReplicaPool,
         book: VersionBook,
+        states: ReplicaStates,
         lock: asyncio.Lock,
         default_s: float | None = None,
         max_s: float | None = None,
     ) -> None:
         self.client = client
         self.book = book
+        self.states = states
         self.lock = lock
         # The lease when the trainer names none, and the longest it may name (the service's
         # --pause-timeout and --max-pause-timeout); None: it must name one, and any is taken.
@@ -44,7 +49,6 @@ class PauseLease:
         self.deadline = 0.0  # monotonic: when the trainer's pause lease runs out
         self.task: asyncio.Task | None = None  # the lease's watch
         self.held: list[Endpoint] = []  # the replicas the trainer's pause holds
-        self.still_paused: set[str] = set()  # paused by this service and not resumed
         self._unpaused = asyncio.Event()
         self._unpaused.set()
 
@@ -137,9 +141,7 @@ class PauseLease:
                 f"until it serves {self.book.current.label}"
             )
             log.warning("policy replica %s: %s", endpoint.url, reason)
-            self.still_paused.add(endpoint.url)  # resumed before any restore
-            self.book.serving[endpoint.url] = None
-            self.client.exclude(endpoint, reason)
+            self.states.hold_paused(endpoint, reason)  # resumed before any restore
         log.warning("the trainer's pause lease ran out without a POST /policy: resuming %d replica(s)", len(resume))
         await self.resume(resume)
 
@@ -149,10 +151,9 @@ class PauseLease:
         results = await asyncio.gather(*(timed(e, engine_of(e).resume()) for e in _distinct(endpoints)))
         for outcome in results:
             if outcome.ok:
-                self.still_paused.discard(outcome.url)
+                self.states.resumed(outcome.endpoint)
             else:
-                self.still_paused.add(outcome.url)
-                self.client.exclude(outcome.endpoint, f"could not be resumed: {outcome.error}")
+                self.states.hold_paused(outcome.endpoint, f"could not be resumed: {outcome.error}")
         if self.paused:  # the trainer's pause ends here (its update, its lease running out, shutdown)
             resumed = {o.url for o in results if o.ok}
             # Not resumed: a lease run out keeps replicas with pushed weights paused, or a resume failed.

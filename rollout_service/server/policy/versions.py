@@ -56,15 +56,14 @@ def weights_match(label: str | None, wanted: str | None) -> bool:
 
 
 class VersionBook:
-    """The versions served here, the current one, the turns and pinned groups on each, and which
-    version each replica is known to serve (None: not known, so not routed)."""
+    """The versions served here, the current one, and the turns and pinned groups on each (which
+    version each replica serves is its standing's: replica_states.py)."""
 
-    def __init__(self, base_model: str, replica_urls: list[str]) -> None:
+    def __init__(self, base_model: str) -> None:
         self.base_model = base_model
         self.current = PolicyVersion("base", 0, "base", base_model)
         self.steps: dict[str, int] = {"base": 0}
         self.weights_epoch = 0  # bumped by every update that changes the base weights
-        self.serving: dict[str, str | None] = dict.fromkeys(replica_urls, "base")
         self.in_flight: Counter[str] = Counter()  # served model name -> turns in flight on it
         # Evaluation on a pinned version: groups pinned to each served model (an adapter stays loaded while
         # pinned), the versions that can be named, and adapters already unloaded (no longer servable).
@@ -79,7 +78,6 @@ class VersionBook:
         self.current = PolicyVersion(label, 0, "weights", self.base_model)
         self.steps = {label: 0}
         self.known = {label: self.current}
-        self.serving = dict.fromkeys(self.serving, label)
 
     def adopt(self, version: PolicyVersion) -> None:
         """`version` is current from now on (an update some replica took)."""

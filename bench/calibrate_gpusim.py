@@ -1,0 +1,240 @@
+"""Calibrate the GPU-shaped model server (bench/gpusim.py) against the CPU vLLM, and check it once.
+
+    .venv/bin/python bench/calibrate_gpusim.py --record bench/results/gpusim-calibration.json
+    .venv/bin/python bench/calibrate_gpusim.py --vllm http://127.0.0.1:8000   # a vLLM already running
+
+1. Step time by batch on the real engine: b requests at once, each `ignore_eos` for T tokens, at
+   two values of T; the difference over the difference in T is one decode step at batch b (the
+   prefill and the HTTP cost cancel). Prefill per token from one request's time at two prompt
+   lengths; the KV term from one decode at two context lengths.
+2. Fit `step = base + per_token x tokens in the step + per_kv_token x KV tokens` (least squares over
+   the batches) and write the fitted engine as gpusim Params (with the CPU vLLM's max_num_seqs, KV
+   capacity and max_model_len from its start-up log) to --params-out.
+3. In one run, on the real vLLM and on the fitted sim (time scale 1), the service against the naive
+   driver (compare.py's pattern: one group at a time, its n attempts at once) at pool 8 (n=4) and
+   pool 32 (n=8), on the tails env's calibration mix with reply lengths drawn from those the real
+   model gave in step 1. The sim must predict each ratio within +-15 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpusim
+import record
+from gpu_regime import LOGS, Config, Stack, _direct_group, _from_result, _group_body, _ndjson, _session
+from tailenv import task_ids
+
+from rollout_service.launch.embedded_model import MODEL_NAME
+from rollout_service.launch.stack import start_embedded_vllm
+
+
+async def _timed_completions(url: str, model: str, prompts: list[str], tokens: int) -> tuple[float, list[int]]:
+    async with _session() as http:
+
+        async def one(prompt: str) -> int:
+            body = {"model": model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 1.0}
+            async with http.post(f"{url}/v1/completions", json=body) as r:
+                answer = await r.json()
+                if r.status != 200:
+                    raise RuntimeError(f"{url}: {r.status} {answer}")
+                return answer["usage"]["completion_tokens"]
+
+        started = time.monotonic()
+        got = await asyncio.gather(*(one(p) for p in prompts))
+        return time.monotonic() - started, list(got)
+
+
+def _prompt(i: int, words: int) -> str:
+    return f"request {i} at {time.monotonic_ns()}: " + " ".join(f"w{(i * 31 + k) % 997}" for k in range(words))
+
+
+async def measure(url: str, model: str, batches: list[int], short: int, long: int) -> dict:
+    tries: dict[int, list[float]] = {b: [] for b in batches}
+    for _ in range(3):  # interleaved, the median kept: the machine's load moves under a measurement
+        for b in batches:
+            walls = []
+            for tokens in (short, long):
+                wall, _ = await _timed_completions(url, model, [_prompt(i, 20) for i in range(b)], tokens)
+                walls.append(wall)
+            tries[b].append(max(1e-6, (walls[1] - walls[0]) / (long - short)))
+    steps = {b: statistics.median(t) for b, t in tries.items()}
+    print("step s by batch:", {b: round(s, 4) for b, s in steps.items()}, flush=True)
+    # Prefill: one request, 1 token, at two prompt lengths (distinct prompts: no prefix-cache hit).
+    pairs = []
+    for k in range(3):
+        few, _ = await _timed_completions(url, model, [_prompt(10 + k, 20)], 1)
+        many, _ = await _timed_completions(url, model, [_prompt(20 + k, 600)], 1)
+        pairs.append((few, many))
+    few, many = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    prompt_tokens = await _count(url, model, [_prompt(1, 20), _prompt(2, 600)])
+    prefill_per_token = max(0.0, (many - few) / max(1, prompt_tokens[1] - prompt_tokens[0]))
+    # The KV term: a decode step with a long context against one with a short one.
+    walls = []
+    for words in (20, 600):
+        pair = []
+        for tokens in (short, long):
+            wall, _ = await _timed_completions(url, model, [_prompt(3 + words + tokens, words)], tokens)
+            pair.append(wall)
+        walls.append((pair[1] - pair[0]) / (long - short))
+    kv_per_token = max(0.0, (walls[1] - walls[0]) / max(1, prompt_tokens[1] - prompt_tokens[0]))
+    # Outside the engine: a one-token request's wall less its prefill and its one step.
+    overhead = max(0.0, few - prompt_tokens[0] * prefill_per_token - steps[min(steps)])
+    # What the model replies at max_tokens 32 on the env's prompts (it stops at EOS too).
+    async with _session() as http:
+        lengths = []
+        for i in range(24):
+            messages = [
+                {"role": "system", "content": "123 " * 100},
+                {"role": "user", "content": f"task {i}: 456 " * 20},
+            ]
+            body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 1.0}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+                lengths.append((await r.json())["usage"]["completion_tokens"])
+    return {"step_s_by_batch": steps, "prefill_per_token_s": prefill_per_token, "kv_per_token_s": kv_per_token,
+            "request_overhead_s": overhead, "reply_lengths": lengths}  # fmt: skip
+
+
+async def _count(url: str, model: str, prompts: list[str]) -> list[int]:
+    async with _session() as http:
+        out = []
+        for p in prompts:
+            async with http.post(f"{url}/tokenize", json={"model": model, "prompt": p}) as r:
+                out.append((await r.json())["count"])
+        return out
+
+
+def fit(measured: dict, log: Path | None) -> gpusim.Params:
+    xs = [int(b) for b in measured["step_s_by_batch"]]
+    ys = [measured["step_s_by_batch"][b] for b in measured["step_s_by_batch"]]
+    slope, intercept = statistics.linear_regression(xs, ys)
+    limits = {"max_num_seqs": 128, "kv_capacity_tokens": 186_368, "max_model_len": 4096}
+    if log is not None and log.exists():
+        text = log.read_text(errors="replace")
+        import re
+
+        if m := re.search(r"KV cache size: ([\d,]+) tokens", text):
+            limits["kv_capacity_tokens"] = int(m.group(1).replace(",", ""))
+        if m := re.search(r"'max_num_seqs': (\d+)", text):
+            limits["max_num_seqs"] = int(m.group(1))
+        if m := re.search(r"'max_model_len': (\d+)", text):
+            limits["max_model_len"] = int(m.group(1))
+    return replace(
+        gpusim.H100_LLAMA8B,
+        setup="cpu-vllm-fit",
+        step_base_s=max(1e-4, intercept),
+        # A decoding sequence's token at the batch slope; a prefill token as measured (its own slope).
+        per_token_s=max(1e-6, slope),
+        prefill_token_s=measured["prefill_per_token_s"],
+        request_overhead_s=measured["request_overhead_s"],
+        per_kv_token_s=measured["kv_per_token_s"],
+        max_batched_tokens=4096,
+        prefix_cache_tokens=limits["kv_capacity_tokens"],
+        sources={"fit": "bench/calibrate_gpusim.py on this machine's CPU vLLM (see the calibration record)"},
+        **limits,
+    )
+
+
+async def ratio(servers: list[str] | None, params_file: Path | None, model: str, pool: int, n: int, groups: int,
+                lengths: list[int]) -> dict:  # fmt: skip
+    """Service vs naive on one engine: wall of the same groups, naive (one group at a time) and through
+    /groups/batch (all at once)."""
+    cfg = Config(pool, 1, "batch", n=n, time_scale=1.0, max_tokens=32, params=params_file, model=model,
+                 servers=servers, env_flags=["--mix", "calibration", "--reply-tokens", *map(str, lengths)])  # fmt: skip
+    tasks = [t for t, _ in task_ids()][:groups]
+    where = "real" if servers else "sim"
+    load_before = os.getloadavg()[0]
+    with Stack(cfg, LOGS / f"calibrate-{where}-p{pool}", with_service=True) as stack:
+        async with _session() as http:
+            started = time.monotonic()
+            for t in tasks:
+                await _direct_group(http, stack, t, stack.sims, cfg)
+            naive = time.monotonic() - started
+            body = {"groups": [_group_body(t, cfg) for t in tasks]}
+            started = time.monotonic()
+            done = []
+            async with http.post(f"{stack.service}/groups/batch", json=body) as r:
+                async for item in _ndjson(r):
+                    if "group" in item:
+                        done.append(_from_result(item["group"], cfg))
+            service = time.monotonic() - started
+    assert len(done) == groups, f"{where}: {len(done)} of {groups} groups came back"
+    load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    return {
+        "naive_s": round(naive, 1),
+        "service_s": round(service, 1),
+        "ratio": round(naive / service, 3),
+        "load": load,
+    }
+
+
+async def run(args: argparse.Namespace, url: str, log: Path | None) -> dict:
+    measured = await measure(url, MODEL_NAME, args.batches, 8, 40)
+    params = fit(measured, log)
+    args.params_out.parent.mkdir(parents=True, exist_ok=True)
+    args.params_out.write_text(json.dumps({"params": asdict(params), "measured": measured}, indent=1) + "\n")
+    rows = []
+    for pool, n in ((8, 4), (32, 8)):
+        real = await ratio([url], None, MODEL_NAME, pool, n, args.groups, measured["reply_lengths"])
+        sim = await ratio(None, args.params_out, gpusim.MODEL, pool, n, args.groups, measured["reply_lengths"])
+        rows.append({"pool": pool, "n": n, "groups": args.groups,
+                     "real naive s": real["naive_s"], "real service s": real["service_s"], "real ratio": real["ratio"],
+                     "sim naive s": sim["naive_s"], "sim service s": sim["service_s"], "sim ratio": sim["ratio"],
+                     "sim / real": round(sim["ratio"] / real["ratio"], 3),
+                     "machine load (1 min) real / sim": f"{real['load']} / {sim['load']}",
+                     "within 15 %": abs(sim["ratio"] / real["ratio"] - 1) <= 0.15})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return {"measured": measured, "params": asdict(params), "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm", help="a CPU vLLM already serving the embedded model (default: start one)")
+    parser.add_argument("--vllm-log", type=Path, help="its log (for max_num_seqs and the KV capacity)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--params-out", type=Path, default=Path("bench/results/gpusim-cpu-fit.json"))
+    parser.add_argument("--record", type=Path)
+    args = parser.parse_args()
+    proc = None
+    if args.vllm:
+        url, log = args.vllm.rstrip("/"), args.vllm_log
+    else:
+        log = LOGS / "calibrate-vllm.log"
+        proc = start_embedded_vllm(None, log)
+        url = proc.url
+    try:
+        out = asyncio.run(run(args, url, log))
+    finally:
+        if proc is not None:
+            proc.stop()
+    print(json.dumps({k: out[k] for k in ("measured", "params")}, indent=1))
+    if args.record:
+        m = out["measured"]
+        notes = (
+            "Ratios are the naive driver's wall over the service's for the same groups (compare.py's pattern), "
+            "on the tails env's calibration mix (1-3 and 4-6 turns, 32-token replies, no tool latency). Fitted "
+            f"engine: step = {out['params']['step_base_s'] * 1000:.2f} ms + {out['params']['per_token_s'] * 1000:.3f} "
+            f"ms x tokens + {out['params']['per_kv_token_s'] * 1e6:.3f} us x KV tokens; step time by batch "
+            f"(s): {json.dumps({k: round(v, 4) for k, v in m['step_s_by_batch'].items()})}; prefill "
+            f"{m['prefill_per_token_s'] * 1000:.3f} ms/token measured; the model's replies at max_tokens 32: mean "
+            f"{statistics.mean(m['reply_lengths']):.1f} tokens. The machine's 2 cores are shared with other "
+            "sessions; the service competes with the real engine for them, not with the sim."
+        )
+        rec = record.make("gpusim-calibration", "The GPU-shaped sim against the CPU vLLM: service vs naive",
+                          out["rows"], notes=notes)  # fmt: skip
+        record.write(rec, args.record)
+
+
+if __name__ == "__main__":
+    main()
