@@ -57,6 +57,18 @@ def _check_cut(result: dict, closed_by: str) -> None:
     assert counts["scheduled"] == counts["scored"] + counts["failed"]
 
 
+def _closed_group(start_refenv, start_service, start_scripted_model, closed_by: str, **tail) -> tuple:
+    """(model, env, service) after one group with `tail` control, closed by `closed_by`, was checked."""
+    model = start_scripted_model("answer", *SLOW)
+    env = start_refenv("--pool", "4")
+    service = start_service([env.url], vllm=model.url, model="scripted")
+    answer = httpx.post(f"{service.url}/groups", json=_group(**tail), timeout=30)
+    assert answer.status_code == 200, answer.text
+    _check_cut(answer.json(), closed_by)
+    assert 0 < answer.json()["wall_s"] < 20, answer.json()["wall_s"]
+    return model, env, service, answer.json()
+
+
 def test_min_graded_closes_the_group_cuts_the_tail_and_gives_its_worlds_back(
     start_refenv, start_service, start_scripted_model
 ):
@@ -64,13 +76,7 @@ def test_min_graded_closes_the_group_cuts_the_tail_and_gives_its_worlds_back(
     (fails at the 30 s read timeout); AttemptRun.cut not relabelling the try -> status `cancelled`
     (fails at `status == cut`); a cut try skipping the endings (no parts.endings.end when cut_reason is
     set) -> 2 episodes stay live and 2 worlds leased on the env (fails in _env_settles)."""
-    model = start_scripted_model("answer", *SLOW)
-    env = start_refenv("--pool", "4")
-    service = start_service([env.url], vllm=model.url, model="scripted")
-    answer = httpx.post(f"{service.url}/groups", json=_group(min_graded=2), timeout=30)
-    assert answer.status_code == 200, answer.text
-    result = answer.json()
-    _check_cut(result, "min_graded")
+    model, env, _, _ = _closed_group(start_refenv, start_service, start_scripted_model, "min_graded", min_graded=2)
     seeds = httpx.get(f"{model.url}/stats", timeout=10).json()["by_seed"]
     assert {"7921", "23759"} <= seeds.keys(), seeds  # the cut attempts were asking the model when cut
     health = _env_settles(env)
@@ -87,14 +93,8 @@ def test_a_deadline_closes_the_group_and_a_group_without_tail_control_has_no_bas
     """Breaks tried: run_until_closed waiting without the deadline as its timeout -> the 60 s tail is
     waited out (fails at the read timeout); assemble without closed_by -> no `baseline` (fails at the
     baseline check)."""
-    model = start_scripted_model("answer", *SLOW)
-    env = start_refenv("--pool", "4")
-    service = start_service([env.url], vllm=model.url, model="scripted")
-    answer = httpx.post(f"{service.url}/groups", json=_group(deadline_s=3), timeout=30)
-    assert answer.status_code == 200, answer.text
-    result = answer.json()
-    _check_cut(result, "deadline")
-    assert 3 <= result["wall_s"] < 20, result["wall_s"]
+    _, env, service, result = _closed_group(start_refenv, start_service, start_scripted_model, "deadline", deadline_s=3)
+    assert result["wall_s"] >= 3, result["wall_s"]
     _env_settles(env)
     plain = httpx.post(f"{service.url}/groups", json={**_group(), "n": 1}, timeout=30)
     assert plain.status_code == 200, plain.text

@@ -78,8 +78,13 @@ class BoundedStream(StreamingResponse):
         what: str,
         request: Request | None = None,
         on_end: Callable[[], object] | None = None,
+        reset_on_stall: bool = True,
     ) -> None:
         super().__init__(content, media_type="application/x-ndjson")
+        # A pull counts the lines written before a stall as handed out (only the one being written is
+        # told of as undelivered): a reset would drop them unseen, so a pull's connection is closed
+        # after what was written, as uvicorn does.
+        self.reset_on_stall = reset_on_stall
         self.iterator = content
         self.stall_timeout_s = stall_timeout_s
         self.what = what
@@ -119,7 +124,8 @@ class BoundedStream(StreamingResponse):
                         self.stall_timeout_s,
                     )
                     # Closed now, its unsent bytes dropped: the answer is incomplete, the reader sees it end.
-                    abort_connection(self.client)
+                    if self.reset_on_stall:
+                        abort_connection(self.client)
                     return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
