@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
+import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import uvicorn
@@ -21,6 +24,7 @@ class ReportingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, port_file: Path | None = None) -> None:
         super().__init__(config)
         self.port_file = port_file
+        _SERVING.add(self)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -35,6 +39,32 @@ class ReportingServer(uvicorn.Server):
             for sock in server.sockets:
                 return int(sock.getsockname()[1])
         raise RuntimeError("the server has no listening socket")
+
+
+# The servers of this process, for `abort_connection`: an ASGI app is not handed its connection.
+_SERVING: weakref.WeakSet[uvicorn.Server] = weakref.WeakSet()
+
+
+def abort_connection(client: Iterable[object] | None) -> bool:
+    """Close the connection from `client` (an ASGI scope's "client") at once, dropping what is still
+    buffered for it; True if one was found. uvicorn closes an unfinished answer's connection with the
+    transport's close(), which first waits for the buffer to be written: to a reader that takes
+    nothing, never, so the connection and its buffer would stay."""
+    if not client:
+        return False
+    peer = tuple(client)
+    for server in list(_SERVING):
+        for connection in list(server.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None and getattr(connection, "client", None) == peer:
+                # Without lingering, the kernel would still hold the unsent bytes and keep sending them
+                # after close (FIN_WAIT1): a reset drops them and tells the reader at once.
+                sock = transport.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                transport.abort()
+                return True
+    return False
 
 
 def write_port_file(path: Path, port: int) -> None:

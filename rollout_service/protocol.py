@@ -135,7 +135,7 @@ LoggedName = Annotated[str, AfterValidator(_printable)]
 REWARD_PROFILES = ("rl", "benchmark")  # the env contract's two profiles
 
 AttemptStatus = Literal[
-    "scored", "policy_failure", "env_failure", "inference_failure", "stale", "cancelled", "internal_error"
+    "scored", "policy_failure", "env_failure", "inference_failure", "stale", "cancelled", "cut", "internal_error"
 ]
 # The statuses that carry a reward and enter the group's advantages: the env graded the attempt, or
 # the policy failed it (earning policy_failure_reward). Every other status is infrastructure's doing.
@@ -169,13 +169,23 @@ FailureKind = Literal[
     "policy_paused",  # timeout_s ran out while the policy replicas were paused for a weight update
     # The policy moved on: the attempt fell further behind than max_staleness too many times.
     "stale",
+    # The request's own tail control (deadline_s, min_graded) closed the group before this attempt ended.
+    "group_closed",
     # Neither.
     "cancelled",  # the trainer went away, or the service shut down
     "internal_error",  # a bug in the service; the detail says what
 ]
 FAILURE_KINDS: tuple[str, ...] = get_args(FailureKind)
 POLICY_FAILURE_KINDS = frozenset({"max_turns", "deadline", "context_overflow"})
-Attribution = Literal["policy", "infrastructure"]
+# Cut by the request's own choice: neither the policy's doing nor the infrastructure's.
+REQUEST_FAILURE_KINDS = frozenset({"group_closed"})
+Attribution = Literal["policy", "infrastructure", "request"]
+
+
+def attribution_of(kind: str) -> Attribution:
+    if kind in POLICY_FAILURE_KINDS:
+        return "policy"
+    return "request" if kind in REQUEST_FAILURE_KINDS else "infrastructure"
 
 
 # A stop string is sent with every turn of every attempt and kept in the run log: an honest one is a few
@@ -239,6 +249,19 @@ class GroupRequest(BaseModel):
         "Constrained logprobs are taken after the grammar mask (renormalised over the allowed tokens), so they "
         "are not the policy's own; false samples freely and returns the policy's logprobs",
     )
+    deadline_s: WireFloatOrNull = Field(
+        None,
+        gt=0,
+        le=86400,
+        description="tail control: seconds from admission after which the group closes; its attempts still "
+        "running are cut (status cut, kind group_closed, no reward) and their worlds given back. Default: none",
+    )
+    min_graded: WireIntOrNull = Field(
+        None,
+        ge=1,
+        description="tail control: the group closes once this many attempts are graded (scored or failed by the "
+        "policy), at most n; the rest are cut as with deadline_s, and the baseline is over the graded ones",
+    )
     policy_version: Any = Field(
         None, description="no longer accepted: the service records the version of every turn itself", exclude=True
     )
@@ -260,6 +283,8 @@ class GroupRequest(BaseModel):
             )
         if (self.task_id is None) == (self.slug is None):
             raise ValueError("give exactly one of task_id or slug")
+        if self.min_graded is not None and self.min_graded > self.n:
+            raise ValueError(f"min_graded={self.min_graded} is more than the group's n={self.n} attempts")
         if self.sampling.temperature == 0 and self.n > 1 and not self.allow_greedy:
             raise ValueError(
                 "temperature 0 with n > 1 samples the same completion n times: a greedy group has no "
@@ -365,8 +390,7 @@ class Failure(BaseModel):
     @classmethod
     def of(cls, kind: FailureKind, detail: str = "") -> Failure:
         """A failure with the attribution its kind implies."""
-        attribution: Attribution = "policy" if kind in POLICY_FAILURE_KINDS else "infrastructure"
-        return cls(kind=kind, attribution=attribution, detail=detail[:500])
+        return cls(kind=kind, attribution=attribution_of(kind), detail=detail[:500])
 
 
 class AttemptTimings(BaseModel):
@@ -431,9 +455,23 @@ class Counts(BaseModel):
     scored: int = Field(description="graded by the environment")
     failed: int = Field(description="not graded: policy failures and unscorable attempts")
     policy_failed: int = Field(description="failed by the policy itself (max_turns, deadline, context overflow)")
-    unscorable: int = Field(description="failed on the infrastructure's side or cancelled: no reward, no advantage")
+    unscorable: int = Field(
+        description="failed on the infrastructure's side, cancelled or cut: no reward, no advantage"
+    )
+    cut: int = Field(0, description="of the unscorable, those cut when tail control closed the group")
     rewarded: int = Field(description="attempts that carry a reward: the denominator of mean, std and advantages")
     by_status: dict[str, int]
+
+
+class Baseline(BaseModel):
+    """How a group closed by tail control formed its advantage baseline: over the graded attempts only."""
+
+    over: int = Field(description="attempts the mean (and std) were taken over: those that carry a reward")
+    cut: int = Field(description="attempts cut when the group closed: no reward, outside the baseline")
+    closed_by: Literal["min_graded", "deadline", "all_ended"] = Field(
+        description="what closed the group: enough graded attempts, the deadline, or every attempt ended first"
+    )
+    cut_attempts: list[int] = Field(default_factory=list, description="the indices of the attempts cut")
 
 
 class GroupResult(BaseModel):
@@ -456,6 +494,9 @@ class GroupResult(BaseModel):
     pass_rate: float | None = Field(description="passes over the scored and policy-failed attempts")
     all_equal: bool = Field(description="every reward is the same (or fewer than two): no gradient")
     diagnosis: str | None = None
+    baseline: Baseline | None = Field(
+        None, description="with tail control (deadline_s, min_graded): what the advantages' baseline was formed over"
+    )
     attempts: list[Attempt]
     wall_s: float
     completion_tokens: int

@@ -7,7 +7,7 @@ oracle (which replica or support server got which requests, when they arrived) o
 certain (a model slower than a deadline). Everything else in the tests uses real vLLM.
 
     python tests/scripted_model.py --port P --script SCRIPT [--name NAME] [--delay SECONDS] [--sql-turns K]
-                                   [--listing-delay SECONDS] [--load-delay SECONDS]
+                                   [--listing-delay SECONDS] [--load-delay SECONDS] [--odd-seed-delay SECONDS]
 
 SCRIPT, one of:
   answer          every completion is {"action": "answer", "input": "1"}, with ids and logprobs
@@ -25,6 +25,9 @@ SCRIPT, one of:
 Options:
   --name NAME       the served model name (default "scripted"), listed at /v1/models and echoed in answers
   --delay SECONDS   sleep this long before answering each chat request (default 0): a slow model
+  --odd-seed-delay SECONDS
+                    sleep this long (instead of --delay) before answering a chat request with an odd seed:
+                    a group with an even seed s and one turn per attempt has its odd attempts slow (a tail)
   --sql-turns K     turns of `sql-then-answer` that run a query before it answers
   --listing-delay SECONDS
                     sleep this long before answering each GET /v1/models (default 0, counted on arrival):
@@ -121,6 +124,7 @@ def build(
     sql_turns: int = 2,
     listing_delay: float = 0.0,
     load_delay: float = 0.0,
+    odd_seed_delay: float | None = None,
 ) -> Starlette:
     adapters: dict[str, str] = {}  # loaded LoRA adapter name -> the path it was loaded from
     stats: dict = {
@@ -192,8 +196,9 @@ def build(
                 f"The model `{model}` does not exist. Valid aliases: {name}.", "NotFoundError", 404, param="model"
             )
         stats["events"].append(f"chat:{model}:{400 if script == 'overflow' else 200}")
-        if delay:
-            await asyncio.sleep(delay)
+        wait = delay if odd_seed_delay is None or int(body.get("seed") or 0) % 2 == 0 else odd_seed_delay
+        if wait:
+            await asyncio.sleep(wait)
         turns_so_far = sum(1 for m in body["messages"] if m["role"] == "assistant")
         if script == "overflow":
             return JSONResponse({"object": "error", "message": OVERFLOW, "type": "BadRequestError", "code": 400}, 400)
@@ -252,6 +257,7 @@ def main() -> None:
     parser.add_argument("--sql-turns", type=int, default=2, help="queries before answering (sql-then-answer)")
     parser.add_argument("--listing-delay", type=float, default=0.0, help="seconds to sleep before each /v1/models")
     parser.add_argument("--load-delay", type=float, default=0.0, help="seconds to sleep in each adapter load")
+    parser.add_argument("--odd-seed-delay", type=float, default=None, help="seconds to sleep for an odd seed")
     args = parser.parse_args()
     app = build(
         args.script,
@@ -260,6 +266,7 @@ def main() -> None:
         sql_turns=args.sql_turns,
         listing_delay=args.listing_delay,
         load_delay=args.load_delay,
+        odd_seed_delay=args.odd_seed_delay,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     ReportingServer(config, Path(args.port_file) if args.port_file else None).run()

@@ -18,7 +18,7 @@ import pytest
 from fastapi.routing import APIRoute
 
 from refenv import cli as refenv_cli
-from rollout_service.protocol import FAILURE_KINDS, POLICY_FAILURE_KINDS
+from rollout_service.protocol import FAILURE_KINDS, attribution_of
 from rollout_service.server.config import ServiceConfig
 from rollout_service.server.http.app import create_app
 from rollout_service.tools import cli as service_cli
@@ -103,7 +103,7 @@ def test_every_request_field_is_on_the_http_api_page(generated):
 def test_every_failure_kind_is_documented_with_its_attribution():
     page = (DOCS / "concepts.md").read_text()
     for kind in FAILURE_KINDS:
-        attribution = "policy" if kind in POLICY_FAILURE_KINDS else "infrastructure"
+        attribution = attribution_of(kind)
         row = next((line for line in page.splitlines() if line.startswith(f"| `{kind}` |")), None)
         assert row is not None, f"docs/concepts.md does not list failure kind {kind}"
         assert f"| {attribution} |" in row, row

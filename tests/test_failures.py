@@ -15,7 +15,7 @@ import pytest
 from rollout_service.backends.env_client import EnvError, StepAnswer
 from rollout_service.backends.errors import InferenceError
 from rollout_service.protocol import FAILURE_KINDS, Attempt
-from rollout_service.server.groups.failures import Stale, TooManyTurns, TryState, Unscorable, classify
+from rollout_service.server.groups.failures import GroupClosed, Stale, TooManyTurns, TryState, Unscorable, classify
 from rollout_service.server.groups.outcome import score, status_of
 from rollout_service.server.membership.world_scheduler import NoEnvLeft
 
@@ -43,6 +43,7 @@ def _samples() -> list[tuple[BaseException, TryState]]:
         (TimeoutError(), plain),
         (TimeoutError(), TryState(task_id="t001", timeout_s=5.0, episode_started=True, waiting_for_policy=True)),
         (Stale("behind"), plain),
+        (GroupClosed("min_graded=3 attempts were graded"), plain),
         (TooManyTurns("too many"), plain),
         (NoEnvLeft("every env drained"), plain),
         (asyncio.CancelledError(), plain),

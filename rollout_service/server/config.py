@@ -149,7 +149,8 @@ class ServiceConfig(BaseModel):
         120.0,
         gt=0,
         description="an NDJSON answer (POST /groups/batch, /groups/sample, a sampler pull) whose reader takes "
-        "nothing for this long is cut off: its queued and running groups are cancelled, worlds released",
+        "nothing for this long is cut off: its queued and running groups are cancelled, worlds released; a batch's "
+        "or a sample's connection is reset (what was buffered for it dropped)",
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="request bodies over this get 413")
     max_answer_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(

@@ -27,7 +27,7 @@ from ..membership.world_scheduler import NoEnvLeft, WorldScheduler
 from ..metrics import Metrics
 from ..policy.manager import PolicyManager
 from .endings import EpisodeEndings
-from .failures import Stale, TooManyTurns, TryState, bug, classify
+from .failures import GroupClosed, Stale, TooManyTurns, TryState, bug, classify
 from .outcome import fail, fail_stale, failed, score
 from .trajectory import TrajectoryBuilder
 
@@ -115,6 +115,18 @@ class AttemptRun:
         self.group = group
         self.index = index
         self.priority = (group.sequence, index)
+        # Set by the runner before it cancels this attempt because tail control closed the group:
+        # the try then ends as `group_closed` (status cut), not `cancelled`.
+        self.cut_reason: str | None = None
+        self.current: Attempt | None = None  # the try in flight once it holds a world
+
+    def cut(self, reason: str) -> Attempt:
+        """What a cut attempt returns: its try in flight, or a fresh record if it held no world yet."""
+        attempt = self.current if self.current is not None else Attempt(index=self.index, status="cut")
+        if attempt.status != "cut":
+            fail(attempt, classify(GroupClosed(reason), self._state(_Try(), attempt)).failure)
+        attempt.reward = attempt.advantage = attempt.pass_ = None
+        return attempt
 
     async def run(self, prior: Attempt | None = None) -> Attempt:
         """Run tries until one counts: env failures are re-run up to `retries`, stale attempts up to
@@ -158,6 +170,7 @@ class AttemptRun:
         """One try: (the attempt, whether it failed on the env's side and may be run again)."""
         request, target, parts = self.group.request, self.group.target, self.parts
         t = _Try()
+        self.current = None
         try:
             slot = await parts.scheduler.acquire(
                 target.candidates(request.allow_eval_side),
@@ -182,6 +195,7 @@ class AttemptRun:
             env=env.url,
             failure=Failure.of("cancelled", "the group was cancelled"),
         )
+        self.current = attempt
         retryable = False
         try:
             async with asyncio.timeout(request.timeout_s):
@@ -193,7 +207,8 @@ class AttemptRun:
                 t.over = exc.episode_over
             if isinstance(exc, EnvUnreachable):
                 slot.down = True  # retries go elsewhere until the monitor's next probe finds it answering
-            verdict = classify(exc, self._state(t, attempt))
+            closed = isinstance(exc, asyncio.CancelledError) and self.cut_reason is not None
+            verdict = classify(GroupClosed(self.cut_reason) if closed else exc, self._state(t, attempt))
             if verdict.failure.kind == "internal_error":  # a malformed answer or a bug: never the group's
                 log.exception("episode of attempt %d of group %s failed unexpectedly", self.index, self.group.group_id)
             fail(attempt, verdict.failure)

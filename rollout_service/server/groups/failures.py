@@ -28,6 +28,10 @@ class TooManyTurns(Exception):
     """The episode asked for more completions than the request's max_turns."""
 
 
+class GroupClosed(Exception):
+    """The request's tail control (deadline_s, min_graded) closed the group while this try ran."""
+
+
 class Unscorable(Exception):
     """The env finished the episode but could not grade it: infrastructure's doing, not a zero."""
 
@@ -81,6 +85,7 @@ Row = tuple[type[BaseException], Callable[[Any, TryState], Classified]]
 
 TABLE: tuple[Row, ...] = (
     (Stale, lambda exc, _: _as("stale", str(exc))),
+    (GroupClosed, lambda exc, _: _as("group_closed", str(exc))),
     (TooManyTurns, lambda exc, _: _as("max_turns", str(exc))),
     (Unscorable, lambda exc, _: _as(exc.kind, exc.detail, retryable=True)),
     (NoEnvLeft, lambda exc, t: _as("env_no_world", f"task {t.task_id}: {exc}")),

@@ -3,7 +3,7 @@ and the group assembled with its rewards, advantages and counts."""
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Literal, cast
 
 from ...advantages import group_advantages, summarize
 from ...backends.env_client import StepAnswer
@@ -11,6 +11,7 @@ from ...protocol import (
     GRADED_STATUSES,
     Attempt,
     AttemptStatus,
+    Baseline,
     Counts,
     Failure,
     FailureKind,
@@ -30,6 +31,8 @@ def status_of(failure: Failure) -> AttemptStatus:
         return "policy_failure"
     if failure.kind == "cancelled":
         return "cancelled"
+    if failure.kind == "group_closed":
+        return "cut"
     if failure.kind == "internal_error":
         return "internal_error"
     if failure.kind == "stale":
@@ -86,9 +89,11 @@ def assemble(
     wall_s: float,
     run_id: str | None,
     versions: PolicyManager | None = None,
+    closed_by: Literal["min_graded", "deadline", "all_ended"] | None = None,
 ) -> GroupResult:
     """The group's result: policy failures earn `policy_failure_reward` (flagged by their status),
-    unscorable attempts carry no reward; advantages are over the attempts that carry one."""
+    unscorable attempts carry no reward; advantages are over the attempts that carry one. `closed_by`:
+    how a group with tail control closed (its result then says what its baseline was formed over)."""
     request, target = group.request, group.target
     for a in attempts:
         if a.status == "policy_failure":
@@ -105,6 +110,10 @@ def assemble(
         by_status[a.status] = by_status.get(a.status, 0) + 1
     scored = by_status.get("scored", 0)
     policy_failed = by_status.get("policy_failure", 0)
+    cut = [a.index for a in attempts if a.status == "cut"]
+    baseline = None
+    if closed_by is not None:
+        baseline = Baseline(over=rewarded, cut=len(cut), closed_by=closed_by, cut_attempts=cut)
     graded = [a for a in attempts if a.status in GRADED_STATUSES]
     s = request.sampling
     diagnosis = None
@@ -148,6 +157,7 @@ def assemble(
             policy_failed=policy_failed,
             unscorable=len(attempts) - scored - policy_failed,
             rewarded=rewarded,
+            cut=len(cut),
             by_status=by_status,
         ),
         rewards=rewards,
@@ -157,6 +167,7 @@ def assemble(
         pass_rate=round(sum(bool(a.pass_) for a in graded) / len(graded), 6) if graded else None,
         all_equal=all_equal,
         diagnosis=diagnosis,
+        baseline=baseline,
         attempts=attempts,
         wall_s=round(wall_s, 4),
         completion_tokens=sum(t.completion_tokens for a in attempts for t in a.turns),

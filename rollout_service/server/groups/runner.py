@@ -8,11 +8,10 @@ env has the world back, and `drain` waits for those still running at shutdown.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
-from ...protocol import GroupRequest, GroupResult
+from ...protocol import Attempt, GroupRequest, GroupResult
 from ..membership.targets import GroupRun, ModelRoute, TaskTarget
 from ..membership.world_scheduler import WorldScheduler
 from ..metrics import Metrics
@@ -20,6 +19,7 @@ from ..policy.manager import PolicyManager
 from .attempt import AttemptRun, RunnerConfig, RunnerParts
 from .endings import EpisodeEndings
 from .outcome import assemble
+from .tail import run_until_closed
 
 
 class GroupRunner:
@@ -79,14 +79,20 @@ class GroupRunner:
         # Evaluation on a pinned version: its adapter stays loaded while the group runs.
         versions = self.parts.versions
         pinned = versions.pin(request.pin_version) if request.pin_version and versions is not None else None
+        closes_at = started + request.deadline_s if request.deadline_s is not None else None
+        slots: list[Attempt | None] = [None] * request.n
         try:
-            attempts = list(await asyncio.gather(*(run.run() for run in runs)))
+            closed = await run_until_closed(request, runs, {i: r.run() for i, r in enumerate(runs)}, slots, closes_at)
+            attempts = [a for a in slots if a is not None]
             # An attempt within the bound when it ended may have fallen behind while its siblings
-            # ran: the group returns only attempts within the bound now.
-            while redo := [i for i, a in enumerate(attempts) if self.parts.went_stale(request, a)]:
-                again = await asyncio.gather(*(runs[i].run(attempts[i]) for i in redo))
-                for i, attempt in zip(redo, again, strict=True):
-                    attempts[i] = attempt
+            # ran: the group returns only attempts within the bound now (re-run until it closes).
+            while closed is None and (redo := [i for i, a in enumerate(attempts) if self.parts.went_stale(request, a)]):
+                jobs = {i: runs[i].run(attempts[i]) for i in redo}
+                closed = await run_until_closed(request, runs, jobs, slots, closes_at)
+                attempts = [a for a in slots if a is not None]
+            if closed is not None:  # closed: one that fell behind since is stale, not run again
+                for attempt in attempts:
+                    self.parts.went_stale(request, attempt)
         finally:
             if pinned is not None and versions is not None:
                 versions.unpin(pinned)
@@ -95,6 +101,14 @@ class GroupRunner:
                 policy.renderer.forget(group_id)
             if self.parts.support is not None:
                 self.parts.support.client.unpin(group_id)
-        result = assemble(group, attempts, wall_s=time.monotonic() - started, run_id=run_id, versions=versions)
+        tail = request.deadline_s is not None or request.min_graded is not None
+        result = assemble(
+            group,
+            attempts,
+            wall_s=time.monotonic() - started,
+            run_id=run_id,
+            versions=versions,
+            closed_by=(closed or "all_ended") if tail else None,
+        )
         self.parts.metrics.group_done(result)
         return result

@@ -3,9 +3,9 @@
 Two bounds. A finished group waiting to be sent counts against --max-queued-attempts until its line is
 written (`HeldResults`): a reader that does not keep up holds the queue's room, not memory outside
 every cap. And a line that cannot be written for --stream-stall-timeout (the reader took nothing
-meanwhile: the socket's buffers are full) cuts the answer off (`BoundedStream`): the generator is
-closed at once, and its `finally` cancels what it still runs (worlds released; groups that finished
-are in the run log already).
+meanwhile: the socket's buffers are full) cuts the answer off (`BoundedStream`): the connection is
+closed at once, what was buffered for it dropped, the generator closed, and its `finally` cancels
+what it still runs (worlds released; groups that finished are in the run log already).
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
+
+from ...listening import abort_connection
 
 if TYPE_CHECKING:
     from .admission import Admission
@@ -76,14 +78,24 @@ class BoundedStream(StreamingResponse):
         what: str,
         request: Request | None = None,
         on_end: Callable[[], object] | None = None,
+        reset_on_stall: bool = True,
     ) -> None:
         super().__init__(content, media_type="application/x-ndjson")
+        # A pull counts the lines written before a stall as handed out (only the one being written is
+        # told of as undelivered): a reset would drop them unseen, so a pull's connection is closed
+        # after what was written, as uvicorn does.
+        self.reset_on_stall = reset_on_stall
         self.iterator = content
         self.stall_timeout_s = stall_timeout_s
         self.what = what
         self.request = request
         self.on_end = on_end
         self.stalled = False
+        self.client: Iterable[object] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.client = scope.get("client")
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
         watcher = asyncio.ensure_future(disconnected(self.request)) if self.request is not None else None
@@ -111,7 +123,10 @@ class BoundedStream(StreamingResponse):
                         self.what,
                         self.stall_timeout_s,
                     )
-                    return  # the server closes the connection: the answer is incomplete
+                    # Closed now, its unsent bytes dropped: the answer is incomplete, the reader sees it end.
+                    if self.reset_on_stall:
+                        abort_connection(self.client)
+                    return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             # Shielded: Starlette cancels this task when it sees the disconnect first, and a second

@@ -118,9 +118,10 @@ async def stream_state(stream_id: str, request: Request) -> StreamState:
 async def pull(stream_id: str, body: StreamPull, request: Request) -> Response:
     service = ready(request)
     lines, end = service.samplers.get(stream_id).start_pull(body.count, body.timeout_s)
-    return BoundedStream(
-        lines, service.config.stream_stall_timeout, f"pull from sampler stream {stream_id}", request=request, on_end=end
-    )
+    what = f"pull from sampler stream {stream_id}"
+    # Not reset on a stall: the lines written before it count as handed out (groups/streaming.py).
+    config = service.config
+    return BoundedStream(lines, config.stream_stall_timeout, what, request=request, on_end=end, reset_on_stall=False)
 
 
 @router.delete(
