@@ -80,11 +80,13 @@ class GroupRunner:
         versions = self.parts.versions
         pinned = versions.pin(request.pin_version) if request.pin_version and versions is not None else None
         try:
-            attempts = list(await asyncio.gather(*(run.run() for run in runs)))
+            # Each attempt counted as an episode on its group's replica while it runs: routing by load.
+            episode = policy.client.episode
+            attempts = list(await asyncio.gather(*(episode(group_id, run.run()) for run in runs)))
             # An attempt within the bound when it ended may have fallen behind while its siblings
             # ran: the group returns only attempts within the bound now.
             while redo := [i for i, a in enumerate(attempts) if self.parts.went_stale(request, a)]:
-                again = await asyncio.gather(*(runs[i].run(attempts[i]) for i in redo))
+                again = await asyncio.gather(*(episode(group_id, runs[i].run(attempts[i])) for i in redo))
                 for i, attempt in zip(redo, again, strict=True):
                     attempts[i] = attempt
         finally:
