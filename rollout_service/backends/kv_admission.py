@@ -2,8 +2,8 @@
 /metrics (KV-cache usage, the waiting queue, preemptions) so that the service does not drive it into
 preemption, where the env pools alone would let every episode's turn in at once.
 
-The bound adapts (AIMD): a poll that finds new preemptions, the KV cache nearly full, or requests
-waiting while it is that full, cuts the bound to a fraction of the turns in flight; a healthy poll
+The bound adapts (AIMD): a poll that finds new preemptions or the KV cache nearly full cuts the
+bound to a fraction of the turns in flight (or of those the replica runs, if fewer); a healthy poll
 with the bound reached raises it by a step. Polled in the background, never per turn. A replica
 whose /metrics is missing or unparseable gets no bound from it (and says so), never an error.
 A turn over its replica's bound waits here, first come first served; a wait cancelled gives its
@@ -25,6 +25,7 @@ KvMode = Literal["adaptive", "fixed", "off"]
 # vLLM's names: v1 engines say kv_cache_usage_perc, older ones gpu_cache_usage_perc (both 0..1).
 _USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _WAITING = "vllm:num_requests_waiting"
+_RUNNING = "vllm:num_requests_running"
 _PREEMPTIONS = "vllm:num_preemptions_total"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -39,6 +40,7 @@ class KvSnapshot:
     usage: float | None
     waiting: float | None
     preemptions: float | None
+    running: float | None = None
 
 
 def parse_metrics(text: str) -> KvSnapshot:
@@ -49,7 +51,7 @@ def parse_metrics(text: str) -> KvSnapshot:
         if not line or line.startswith("#"):
             continue
         match = _SAMPLE.match(line)
-        if match is None or match.group(1) not in (*_USAGE, _WAITING, _PREEMPTIONS):
+        if match is None or match.group(1) not in (*_USAGE, _WAITING, _PREEMPTIONS, _RUNNING):
             continue
         try:
             value = float(match.group(3))
@@ -59,7 +61,7 @@ def parse_metrics(text: str) -> KvSnapshot:
     usage = next((sums[name] for name in _USAGE if name in sums), None)
     if usage is None and _WAITING not in sums and _PREEMPTIONS not in sums:
         raise ValueError("no vLLM KV-cache, waiting or preemption metric in it")
-    return KvSnapshot(usage, sums.get(_WAITING), sums.get(_PREEMPTIONS))
+    return KvSnapshot(usage, sums.get(_WAITING), sums.get(_PREEMPTIONS), sums.get(_RUNNING))
 
 
 @dataclass
@@ -75,7 +77,7 @@ class KvGate:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        return len(self._waiters)  # a cancelled wait leaves, a granted one is taken off by wake()
 
     def _open(self) -> bool:
         return self.cap is None or self.in_flight < self.cap
@@ -132,7 +134,9 @@ class KvGate:
         usage = snapshot.usage or 0.0
         queued = (snapshot.waiting or 0.0) > 0
         if new_preemptions or usage >= HIGH_USAGE:
-            base = self.in_flight if self.cap is None else min(self.cap, max(self.in_flight, MIN_CAP))
+            # What fits is at most what the replica runs now (the rest of ours wait or were preempted).
+            base = min(self.in_flight, int(snapshot.running)) if snapshot.running is not None else self.in_flight
+            base = base if self.cap is None else min(self.cap, max(base, MIN_CAP))
             self.cuts += 1
             reason = "preemptions" if new_preemptions else f"KV cache {usage:.0%} used"
             self.set_cap(max(MIN_CAP, int(base * DECREASE)), f"cut: {reason}")
@@ -158,7 +162,7 @@ class KvAdmission:
         mode: KvMode = "adaptive",
         fixed_cap: int | None = None,
         interval_s: float = 1.0,
-        step: int = 2,
+        step: int = 1,
     ) -> None:
         if mode == "fixed" and not fixed_cap:
             raise ValueError("a fixed KV admission bound needs a cap of at least 1")
