@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from rollout_service.backends.env_client import EnvError, StepAnswer
@@ -51,7 +52,7 @@ def _samples() -> list[tuple[BaseException, TryState]]:
         {"episode_id": "e1", "done": True, "status": "completed", "score": {"failure_category": category}}
         for category in ("transport_error", "environment_failure")
     ] + [{"episode_id": "e1", "done": True, "status": "abandoned"}]
-    samples += [(_unscorable(StepAnswer.model_validate(final)), plain) for final in finals]
+    samples += [(_unscorable(msgspec.convert(final, StepAnswer)), plain) for final in finals]
     return samples
 
 

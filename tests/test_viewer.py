@@ -131,7 +131,10 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     Breaks tried: the page's text helper (`el`, app.js) writing `innerHTML` instead of `textContent`
     -> fails: the hostile text is no longer on the page as text; the same with the CSP header dropped
     too (and the text checks skipped) -> fails: window.__pwned was set by the <img onerror>; the live
-    book not fed (`hook` leaving `admission.on_result` alone) -> fails: the overview counts 0 groups."""
+    book not fed (`hook` leaving `admission.on_result` alone) -> fails: the overview counts 0 groups;
+    SecurityHeaders inside PlaneAuth (added before it) -> fails: the 401 carries no CSP; app.js without
+    its `drawing` check (a late answer drawn whatever the page is now) -> fails: the slow overview was
+    drawn over the group list."""
     refenv = start_refenv("--pool", "2")
     hostile = launch("hostile-env", None, [sys.executable, str(HOSTILE_ENV), "--port", "0"])
     runs = tmp_path / "runs"
@@ -146,7 +149,8 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     page = httpx.get(f"{url}/ui")
     assert page.status_code == 200 and page.headers["content-security-policy"] == CSP
     assert "'unsafe-inline'" not in CSP and "script-src 'self'" in CSP
-    assert httpx.get(f"{url}/ui/api/overview").status_code == 401
+    refused = httpx.get(f"{url}/ui/api/overview")  # refused by the keys, outside the viewer: still its CSP
+    assert refused.status_code == 401 and refused.headers.get("content-security-policy") == CSP, refused.headers
     assert httpx.get(f"{url}/ui/assets/app.js").headers["content-security-policy"] == CSP
     assert httpx.get(f"{url}/ui/assets/nothing.js").status_code == 404
     # A user's mistakes are clear errors: a group not held, a page too large.
@@ -259,6 +263,30 @@ def test_the_viewer_shows_a_real_run_and_runs_nothing_a_rollout_says(
     hostile_seq = next(g["seq"] for g in listed["groups"] if g["task_id"] == "hostile")
     _open(browser, f"{viewer.url}/ui#/group/{hostile_seq}")
     _assert_inert(browser)
+
+    # An answer that comes back after the user moved on is dropped, not drawn over the page they went
+    # to. The page's own fetch is slowed for the overview (a stand-in for a busy service: a real one
+    # cannot be made slow on cue); the user goes to the overview, then to the groups before it answers.
+    _open(browser, f"{viewer.url}/ui#/tasks")
+    browser.execute_script("""
+        const real = window.fetch;
+        window.__slowAnswered = false;
+        window.fetch = async (url, init) => {
+          const answer = await real(url, init);
+          if (String(url).includes("/overview")) {
+            await new Promise((done) => setTimeout(done, 1500));
+            window.__slowAnswered = true;
+          }
+          return answer;
+        };
+        location.hash = "#/overview";
+        setTimeout(() => { location.hash = "#/groups"; }, 200);
+    """)
+    _wait_drawn(browser, "#/groups")
+    assert wait_until(lambda: browser.execute_script("return window.__slowAnswered"), 10)
+    drawn_over = wait_until(lambda: browser.find_elements("css selector", "figure.chart"), 1.0)
+    assert not drawn_over and browser.find_elements("id", "groups"), browser.find_element("id", "main").text[:300]
+    assert browser.execute_script("return document.body.dataset.loaded") == "#/groups"
     # Off loopback, a run log (every prompt of the run) is served only behind a key.
     refused = cli("view", str(log), "--listen", "0.0.0.0:0", timeout=60)
     assert refused.returncode == 2 and "--api-key-env" in refused.stderr, refused.stderr

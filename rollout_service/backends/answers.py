@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from pydantic import StrictInt, TypeAdapter
+import msgspec
 
 from .errors import BadInferenceResponse
-from .json_body import loads
+from .json_body import dumps, loads
+from .transport import HttpAnswer
 
-# Token ids and logprobs come by the thousand per answer: checked in pydantic-core, not element by
-# element in Python. Ids must be ints as sent (a float or a string is a server's bug); logprobs
-# may be any JSON number.
-_TOKEN_IDS = TypeAdapter(list[StrictInt])
-_LOGPROBS = TypeAdapter(list[float])
+# Token ids and logprobs come by the thousand per answer: decoded and checked by msgspec in C, not
+# element by element in Python. Ids must be ints as sent (strict: a float or a string is a server's
+# bug); logprobs may be any JSON number.
+_IDS = msgspec.json.Decoder(list[int])
 
 
 @dataclass
@@ -67,8 +67,8 @@ class TokenizeAnswer:
         except (ValueError, KeyError, TypeError) as exc:
             raise BadInferenceResponse(f"unexpected /tokenize answer: {type(exc).__name__}: {exc}") from None
         try:
-            return _TOKEN_IDS.validate_python(tokens)
-        except ValueError:
+            return msgspec.convert(tokens, list[int])
+        except msgspec.ValidationError:
             raise BadInferenceResponse("unexpected /tokenize answer: tokens is not a list of ints") from None
 
     @cached_property
@@ -111,8 +111,8 @@ class TokenizeAnswer:
         if not array.startswith(prefix):
             return None
         try:
-            rest = _TOKEN_IDS.validate_python(loads(b"[" + array[len(prefix) :]))
-        except ValueError:
+            rest = _IDS.decode(b"[" + array[len(prefix) :])
+        except msgspec.DecodeError:
             return None
         return rest or None  # "[1,2, ]" is not JSON: nothing can follow a comma
 
@@ -140,81 +140,159 @@ def normalize_response_format(response_format: Any) -> dict | None:
 
 
 _TOKEN_ID_PREFIX = "token_id:"
+_TOKEN_ID_QUOTED = b'"token_id:'
 
 
-def _ids_of_tokens(tokens: Any) -> list[int]:
+class _ChatLogprob(msgspec.Struct):
+    logprob: float
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_ChatLogprob] | None = None  # chat: one entry per token
+    token_logprobs: list[float] | None = None  # completions
+    # vLLM's "token_id:<id>" per token, kept as the JSON it came as: read into ids without making a
+    # string of each (`_ids_of_tokens`).
+    tokens: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+
+
+class _Message(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    text: str | None | msgspec.UnsetType = msgspec.UNSET
+    message: _Message | None | msgspec.UnsetType = msgspec.UNSET
+    finish_reason: str | None = None
+    stop_reason: Any = None  # vLLM: the stop string or token id that ended it
+    token_ids: list[int] | None = None
+    logprobs: _Logprobs | None = None
+    prompt_token_ids: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # completions: per choice
+
+
+class _Answer(msgspec.Struct):
+    """A completion answer as far as the service reads it; everything else in it is skipped unread."""
+
+    choices: list[_Choice]
+    model: str | None | msgspec.UnsetType = msgspec.UNSET
+    usage: dict[str, Any] | None = None
+    prompt_token_ids: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # chat, with return_token_ids
+
+
+_ANSWER = msgspec.json.Decoder(_Answer)
+
+
+def _present(raw: msgspec.Raw) -> bool:
+    return len(raw) > 0 and bytes(raw) != b"null"
+
+
+def _ids_of_tokens(tokens: msgspec.Raw) -> list[int]:
     """The ids of a completion's logprobs tokens as vLLM writes them with `return_tokens_as_token_ids`
-    ("token_id:42"). Read as one JSON array in C: a Python loop over a 1024-token turn took ~0.2 ms."""
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-        raise ValueError("logprobs.tokens is not a list of strings")
+    ("token_id:42"), read from the array's JSON: with each string's quotes and prefix taken out it is
+    the array of ids, decoded in C. A Python loop over a 1024-token turn's strings took ~0.2 ms.
+    Any other form (an escape in a token, say) is read string by string."""
+    body = bytes(tokens)
+    prefixed = body.count(_TOKEN_ID_QUOTED)
+    # Each string is one token that begins with the prefix: as many prefixes as strings (two quotes
+    # each, no escaped quote inside), and the ids as many as the strings.
+    if prefixed * 2 == body.count(b'"') and b"\\" not in body:
+        try:
+            ids = _IDS.decode(body.replace(_TOKEN_ID_QUOTED, b"").replace(b'"', b""))
+        except msgspec.DecodeError:
+            pass
+        else:
+            if len(ids) == prefixed:
+                return ids
+    return _ids_of_token_strings(msgspec.json.decode(body, type=list[str]))
+
+
+def _ids_of_token_strings(tokens: list[str]) -> list[int]:
     joined = ",".join(tokens)
     if tokens and f",{joined}".count(f",{_TOKEN_ID_PREFIX}") != len(tokens):  # each one begins so
         raise ValueError('logprobs.tokens are not "token_id:<id>" (the server ignored return_tokens_as_token_ids)')
     # Only the prefix each token begins with goes: one inside a token is left to fail the decode.
-    ids = _TOKEN_IDS.validate_python(loads(f"[{f',{joined}'.replace(f',{_TOKEN_ID_PREFIX}', ',')[1:]}]"))
+    ids = _IDS.decode(f"[{f',{joined}'.replace(f',{_TOKEN_ID_PREFIX}', ',')[1:]}]".encode())
     if len(ids) != len(tokens):
         raise ValueError("logprobs.tokens are not one id each")
     return ids
 
 
+def decode_completion(answer: HttpAnswer) -> _Answer:
+    """The answer's body as typed data, decoded in one pass in C; ValueError when it is not JSON of
+    that shape. A body msgspec refuses that the transport reads (a lone surrogate escape, made
+    encodable by `HttpAnswer.json`) is decoded from what the transport made of it."""
+    try:
+        return _ANSWER.decode(answer.body)
+    except msgspec.DecodeError as exc:
+        try:
+            data = answer.json()
+        except ValueError:
+            raise exc from None
+        return _ANSWER.decode(dumps(data))
+
+
 def parse_completion(
-    data: dict, endpoint: str, model: str, latency: float, sent_prompt: list[int] | None = None
+    answer: HttpAnswer, endpoint: str, model: str, latency: float, sent_prompt: list[int] | None = None
 ) -> Completion:
-    """The answer as a Completion; raises ValueError (or a lookup error) on any shape it cannot use.
-    With `sent_prompt` (token ids sent), the result holds the very list sent: the server's count of
-    the prompt's tokens must be its length, and prompt ids it echoes anyway must be those (an echo
-    of the same numbers in another JSON form, 1.0 for 1, passes: the ids kept are the ones sent)."""
-    raw_choices = data["choices"]
-    if not isinstance(raw_choices, list) or not raw_choices:
+    """The answer as a Completion; raises ValueError (msgspec's errors are ones) on any shape it
+    cannot use. With `sent_prompt` (token ids sent), the result holds the very list sent: the
+    server's count of the prompt's tokens must be its length, and prompt ids it echoes anyway must be
+    those (an echo of the same numbers in another JSON form, 1.0 for 1, passes: the ids kept are the
+    ones sent)."""
+    data = decode_completion(answer)
+    raw_choices = data.choices
+    if not raw_choices:
         raise ValueError("the answer has no choices")
-    usage = data.get("usage") or {}
+    usage = data.usage or {}
     choices = []
-    for raw in sorted(raw_choices, key=lambda c: c.get("index", 0)):
+    for raw in sorted(raw_choices, key=lambda c: c.index):
         logprobs = None
-        raw_lp = raw.get("logprobs") or {}
-        if raw_lp.get("content") is not None:  # chat: one entry per token
-            logprobs = [float(t["logprob"]) for t in raw_lp["content"]]
-        elif raw_lp.get("token_logprobs") is not None:  # completions
-            logprobs = _LOGPROBS.validate_python(raw_lp["token_logprobs"])
-        ids = raw.get("token_ids")
-        if ids is not None:
-            ids = _TOKEN_IDS.validate_python(ids)
-        elif raw_lp.get("tokens") is not None and sent_prompt is not None:
-            ids = _ids_of_tokens(raw_lp["tokens"])
-        text = raw["message"].get("content") if "message" in raw else raw["text"]
-        text = text or ""
-        if not isinstance(text, str):
-            raise ValueError("message.content is not text")
-        if not isinstance(raw.get("finish_reason"), str | None):
-            raise ValueError("finish_reason is not text")
+        raw_lp = raw.logprobs
+        ids = raw.token_ids
+        if raw_lp is not None:
+            if raw_lp.content is not None:
+                logprobs = [t.logprob for t in raw_lp.content]
+            elif raw_lp.token_logprobs is not None:
+                logprobs = raw_lp.token_logprobs
+            if ids is None and sent_prompt is not None and _present(raw_lp.tokens):
+                ids = _ids_of_tokens(raw_lp.tokens)
+        if raw.message is not msgspec.UNSET:
+            if raw.message is None:
+                raise ValueError("message is null")
+            text = raw.message.content
+        elif raw.text is msgspec.UNSET:
+            raise ValueError("a choice has neither text nor message")
+        else:
+            text = raw.text
         # Without ids (a non-vLLM server), the server's own count is what the env must be told.
         count = len(ids) if ids is not None else int(usage.get("completion_tokens") or 0) // len(raw_choices)
         choices.append(
             Choice(
-                text=text,
-                finish_reason=raw.get("finish_reason"),
+                text=text or "",
+                finish_reason=raw.finish_reason,
                 completion_token_ids=ids,
                 logprobs=logprobs,
                 completion_tokens=count,
-                stop_reason=raw.get("stop_reason"),
+                stop_reason=raw.stop_reason,
             )
         )
-    prompt_ids = data.get("prompt_token_ids")
-    if prompt_ids is None and raw_choices[0].get("prompt_token_ids") is not None:  # completions: per choice
-        prompt_ids = raw_choices[0]["prompt_token_ids"]
+    echoed = data.prompt_token_ids
+    if not _present(echoed):
+        echoed = raw_choices[0].prompt_token_ids
+    prompt_ids: list[int] | None = None
     if sent_prompt is not None:
-        if prompt_ids is not None and prompt_ids != sent_prompt:
+        if _present(echoed) and msgspec.json.decode(bytes(echoed)) != sent_prompt:
             raise ValueError("the prompt_token_ids echoed are not the prompt sent")
         # What says the server generated from these ids, now that they are not echoed: its own count.
         counted = usage.get("prompt_tokens")
         if counted != len(sent_prompt):
             raise ValueError(f"the server counted {counted} prompt tokens where {len(sent_prompt)} were sent")
         prompt_ids = sent_prompt
-    elif prompt_ids is not None:
-        prompt_ids = _TOKEN_IDS.validate_python(prompt_ids)
+    elif _present(echoed):
+        prompt_ids = _IDS.decode(bytes(echoed))
     return Completion(
         endpoint=endpoint,
-        model=data.get("model", model),
+        model=model if data.model is msgspec.UNSET else data.model,  # type: ignore[arg-type]
         prompt_token_ids=prompt_ids,
         prompt_tokens=int(usage.get("prompt_tokens") or len(prompt_ids or ())),
         choices=choices,

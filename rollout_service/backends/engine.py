@@ -213,7 +213,7 @@ class VllmServer:
         response = await self._post(path, body)
         latency = time.monotonic() - started
         try:
-            return parse_completion(response.json(), self.url, model, latency, sent_prompt)
+            return parse_completion(response, self.url, model, latency, sent_prompt)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise BadInferenceResponse(f"unexpected completion shape: {type(exc).__name__}: {exc}") from None
 

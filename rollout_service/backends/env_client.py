@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import quote
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .addresses import AddressPolicy
@@ -14,6 +16,7 @@ from .transport import (
     AnswerTooLarge,
     ConnectRefused,
     EncodedAnswer,
+    HttpAnswer,
     HttpTransport,
     TransportError,
     TransportTimeout,
@@ -126,18 +129,22 @@ _BY_STATUS: dict[int, type[EnvError]] = {
 }
 
 
-class Observation(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# An episode's answers come every turn: decoded by msgspec into the structs below in one pass (in C,
+# fields the service does not read skipped), not parsed into dicts and then validated by pydantic.
+# Lax as the pydantic model they replace was (strict=False): a number or a bool may come as its string
+# ("1.5", "true"), but a number is not a string (an episode_id of 5 is refused).
+
+
+class Observation(msgspec.Struct):
     stage: str = "unknown"
-    messages: list[dict[str, Any]] = Field(default_factory=list)
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     functions: Any = None
     response_format: Any = None
 
 
-class StepAnswer(BaseModel):
+class StepAnswer(msgspec.Struct):
     """An answer of /step/reset or /step: an observation, or the final form (`done: true`)."""
 
-    model_config = ConfigDict(extra="allow")
     episode_id: str
     task_id: str | None = None
     slug: str | None = None
@@ -146,9 +153,13 @@ class StepAnswer(BaseModel):
     # Final form; GraphJin omits these when empty or false.
     status: str | None = None
     answer: Any = None
-    pass_: bool = Field(False, alias="pass")
-    reward: float = Field(0.0, allow_inf_nan=False)  # NaN would silently void every advantage
+    pass_: bool = msgspec.field(default=False, name="pass")
+    reward: float = 0.0
     score: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.reward):  # NaN would silently void every advantage
+            raise ValueError("reward must be a finite number")
 
     @property
     def failure_category(self) -> str | None:
@@ -231,10 +242,10 @@ class EnvClient:
         self._headers = self._token_headers
 
     async def health(self) -> EnvHealth:
-        return _validate(EnvHealth, await self._call("GET", "/health", headers={}))
+        return _validate(EnvHealth, _object(await self._call("GET", "/health", headers={}), "GET /health"))
 
     async def tasks(self) -> list[EnvTask]:
-        data = await self._call("GET", "/tasks")
+        data = _object(await self._call("GET", "/tasks"), "GET /tasks")
         tasks = data.get("tasks", [])
         if not isinstance(tasks, list):
             raise BadEnvAnswer(200, "invalid_answer", "GET /tasks: `tasks` is not a list")
@@ -246,12 +257,16 @@ class EnvClient:
         body: dict[str, Any] = {"task_id": task_id}
         if reward_profile:
             body["reward_profile"] = reward_profile
-        data = await self._call("POST", "/step/reset", json=body)
+        answer = await self._call("POST", "/step/reset", json=body)
         try:
-            return _validate(StepAnswer, data)
+            return _step_answer(answer, "POST /step/reset")
         except BadEnvAnswer as exc:
             # The env may have started the episode all the same: keep its id so it can be given back.
-            named = data.get("episode_id")
+            try:
+                data = answer.json()
+            except ValueError:
+                raise exc from None
+            named = data.get("episode_id") if isinstance(data, dict) else None
             if isinstance(named, str) and not data.get("done"):
                 exc.episode_id = named
             raise
@@ -263,12 +278,12 @@ class EnvClient:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
         }
-        return _validate(StepAnswer, await self._call("POST", "/step", json=body))
+        return _step_answer(await self._call("POST", "/step", json=body), "POST /step")
 
     async def abandon(self, episode_id: str) -> None:
         """DELETE the episode; 410 means its world is already back, which is what we want."""
         try:
-            await self._call("DELETE", f"/step/{quote(episode_id, safe='')}", timeout=30.0)
+            _object(await self._call("DELETE", f"/step/{quote(episode_id, safe='')}", timeout=30.0), "DELETE /step")
         except EpisodeGone:
             pass
 
@@ -280,7 +295,8 @@ class EnvClient:
         json: Any = None,
         timeout: float | None = None,  # noqa: ASYNC109 - a per-request deadline
         headers: dict[str, str] | None = None,
-    ) -> dict:
+    ) -> HttpAnswer:
+        """A 2xx answer, unread, or the EnvError that says why not."""
         try:
             response = await self._http.request(
                 method,
@@ -301,18 +317,45 @@ class EnvClient:
             raise BadEnvAnswer(None, "invalid_answer", f"{method} {path}: {exc}") from None
         except TransportError as exc:
             raise EnvUnreachable(None, "transport_error", f"{method} {path}: {exc}") from None
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
         if response.status >= 400:
+            try:
+                data = response.json()
+            except ValueError:
+                data = None
             error = data.get("error", "http_error") if isinstance(data, dict) else "http_error"
             message = data.get("message", "") if isinstance(data, dict) else response.text
             cls = _BY_STATUS.get(response.status, EpisodeFailed if response.status >= 500 else EnvRejected)
             raise cls(response.status, str(error), str(message))
-        if not isinstance(data, dict):
-            raise BadEnvAnswer(response.status, "invalid_answer", f"{method} {path}: the answer is not a JSON object")
-        return data
+        return response
+
+
+def _object(answer: HttpAnswer, call: str) -> dict:
+    """A 2xx answer's body as the JSON object the contract says it is, or BadEnvAnswer."""
+    try:
+        data = answer.json()
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise BadEnvAnswer(answer.status, "invalid_answer", f"{call}: the answer is not a JSON object")
+    return data
+
+
+_STEP_ANSWER = msgspec.json.Decoder(StepAnswer, strict=False)
+
+
+def _step_answer(answer: HttpAnswer, call: str) -> StepAnswer:
+    """An episode's answer as a StepAnswer, or BadEnvAnswer naming what does not fit the contract. A
+    body msgspec refuses is read again as the transport reads JSON (which makes a lone surrogate
+    escape encodable) and converted from that, or the error says why not."""
+    try:
+        return _STEP_ANSWER.decode(answer.body)
+    except msgspec.DecodeError:
+        pass
+    data = _object(answer, call)
+    try:
+        return msgspec.convert(data, StepAnswer, strict=False)
+    except msgspec.ValidationError as exc:
+        raise BadEnvAnswer(answer.status, "invalid_answer", f"StepAnswer: {exc}") from None
 
 
 _M = TypeVar("_M", bound=BaseModel)

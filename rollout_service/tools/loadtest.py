@@ -9,15 +9,14 @@ service's /health/detail and the envs' /health twice a second for occupancy over
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 import httpx
 import numpy as np
 
+from ..server.http.auth import loopback_url
 from ..trainer.client import AsyncRolloutClient, RolloutError
 
 
@@ -37,19 +36,9 @@ class LoadSpec:
     grace_s: float = 120.0  # after the duration, how long in-flight batches may take to finish
 
 
-def is_loopback(url: str) -> bool:
-    host = urlparse(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def require_loopback(url: str) -> None:
     """The load test only ever targets this machine."""
-    if not is_loopback(url):
+    if not loopback_url(url):
         raise ValueError(f"{url}: the load test only targets loopback addresses (127.0.0.0/8, ::1, localhost)")
 
 
@@ -75,7 +64,7 @@ async def run_load(spec: LoadSpec, progress=print) -> dict:
         detail = await client.health_detail()
         # The envs' own counters are read where the env is on this machine's loopback; one the service
         # reaches on its own network (compose: http://env:8090) is measured from the service's side only.
-        envs = [e["url"] for e in detail["envs"] if is_loopback(e["url"])]
+        envs = [e["url"] for e in detail["envs"] if loopback_url(e["url"])]
         pools = {e["url"]: e["pool"] for e in detail["envs"]}
         before = await _snapshot(client, envs)
         tally = _Tally(started=time.monotonic())

@@ -86,7 +86,7 @@ async def run_measure(
             )
             # Admitted as any trainer's group is: the same checks, caps and run log.
             (task,) = service.admission.start_groups([request])
-            result = GroupResult.model_validate_json(await task)
+            result = (await task).result
             done += 1
             if done % max(1, len(targets) // 10) == 0 or done == len(targets):
                 progress(f"  {done}/{len(targets)} tasks done")

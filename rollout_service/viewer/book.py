@@ -58,6 +58,10 @@ class FailureCount(BaseModel):
     count: int
 
 
+class RunLogChanged(Exception):
+    """A group's line is no longer what the index read there: the run log changed under the viewer."""
+
+
 @dataclass(frozen=True)
 class GroupQuery:
     """The list's filters; None: not filtered on."""

@@ -2,8 +2,9 @@
 time series of the service's counters, sampled every SAMPLE_EVERY_S while it runs.
 
 Memory stays bounded over a run of any length: SUMMARIES_KEPT rows for the group list, the full
-results of the newest GROUPS_KEPT groups for their pages (older ones: `rollout-service view RUNLOG`
-reads them from the run log), and SAMPLES_KEPT samples (half an hour at one per two seconds).
+results of the newest GROUPS_KEPT groups for their pages, fewer when they are large (TOKENS_KEPT;
+older ones: `rollout-service view RUNLOG` reads them from the run log), and SAMPLES_KEPT samples
+(half an hour at one per two seconds).
 """
 
 from __future__ import annotations
@@ -29,6 +30,21 @@ SUMMARIES_KEPT = 20_000
 GROUPS_KEPT = 200
 SAMPLES_KEPT = 900
 SAMPLE_EVERY_S = 2.0
+# Token ids and logprobs held in the kept results, about 37 bytes each as Python objects: ~150 MB. A
+# count of groups alone is no bound: a chat-mode group of 8 attempts x 20 turns (each turn's prompt
+# ids again) holds ~1M of them, so 200 such groups would pin 7 GB the service had otherwise freed.
+TOKENS_KEPT = 4_000_000
+
+
+def tokens_held(result: GroupResult) -> int:
+    """The token ids and logprobs `result` holds: what its size grows with."""
+    held = 0
+    for attempt in result.attempts:
+        for segment in attempt.trajectory or []:
+            held += len(segment.token_ids) + len(segment.loss_mask) + len(segment.logprobs)
+        for turn in attempt.turns:
+            held += len(turn.prompt_token_ids or []) + len(turn.completion_token_ids or []) + len(turn.logprobs or [])
+    return held
 
 
 def metric_samples(registry: CollectorRegistry, name: str) -> list[tuple[str, dict[str, str], float]]:
@@ -43,7 +59,8 @@ class LiveBook:
     def __init__(self, service: RolloutService) -> None:
         self.service = service
         self.summaries: deque[GroupSummary] = deque(maxlen=SUMMARIES_KEPT)
-        self.results: OrderedDict[int, GroupResult] = OrderedDict()
+        self.results: OrderedDict[int, tuple[GroupResult, int]] = OrderedDict()  # seq -> (result, tokens_held)
+        self.tokens = 0  # tokens_held of the kept results
         self.tally = RunTally()
         self.samples: deque[Sample] = deque(maxlen=SAMPLES_KEPT)
 
@@ -54,9 +71,11 @@ class LiveBook:
         summary = summarize(seq, result, info.family if info else None)
         self.tally.add(summary, result)
         self.summaries.append(summary)
-        self.results[seq] = result
-        while len(self.results) > GROUPS_KEPT:
-            self.results.popitem(last=False)
+        held = tokens_held(result)
+        self.results[seq] = (result, held)
+        self.tokens += held
+        while len(self.results) > GROUPS_KEPT or (self.tokens > TOKENS_KEPT and len(self.results) > 1):
+            self.tokens -= self.results.popitem(last=False)[1][1]
 
     def sample(self) -> None:
         service = self.service
@@ -123,7 +142,8 @@ class LiveBook:
         """Nothing to read: groups arrive as they finish."""
 
     async def group(self, seq: int) -> GroupResult | None:
-        return self.results.get(seq)
+        kept = self.results.get(seq)
+        return kept[0] if kept else None
 
     def tasks(self) -> list[TaskRow]:
         info = self.service.envs.task_info

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..protocol import GroupResult
 from ..server.http.auth import Plane, on_plane
-from .book import MAX_PAGE, GroupPage, GroupQuery
+from .book import MAX_PAGE, GroupPage, GroupQuery, RunLogChanged
 from .overview import Overview, TaskRow
 
 PREFIX = "/ui"
@@ -89,8 +89,8 @@ async def groups(
     family: str | None = Query(None, max_length=200),
     version: str | None = Query(None, max_length=200, description="the policy version the group ended on"),
     status: str | None = Query(None, max_length=50, description="groups with an attempt of this status"),
-    min_reward: float | None = Query(None, description="mean reward at least"),
-    max_reward: float | None = Query(None, description="mean reward at most"),
+    min_reward: float | None = Query(None, allow_inf_nan=False, description="mean reward at least"),
+    max_reward: float | None = Query(None, allow_inf_nan=False, description="mean reward at most"),
     signal: bool | None = Query(None, description="true: groups whose graded rewards differ"),
     offset: int = Query(0, ge=0, le=10_000_000),
     limit: int = Query(50, ge=1, le=MAX_PAGE),
@@ -106,12 +106,15 @@ async def groups(
     summary="One group as the service answered it, by its place in the viewer's list",
 )
 async def group(seq: int, request: Request) -> Response:
-    result = await (await _book(request)).group(seq)
+    try:
+        result = await (await _book(request)).group(seq)
+    except RunLogChanged as exc:
+        raise HTTPException(409, f"{exc}: open the group list again") from None
     if result is None:
         raise HTTPException(
             404,
-            f"no group {seq} here: the live viewer keeps the newest groups only (`rollout-service view "
-            "RUNLOG` reads every group of a run log)",
+            f"no group {seq} here: groups are numbered from 0 in the order they finished, and the live viewer "
+            "keeps the newest ones only (`rollout-service view RUNLOG` reads every group of a run log)",
         )
     return Response(result.model_dump_json(by_alias=True), media_type="application/json")
 

@@ -16,7 +16,7 @@ from ..membership.replicas import ReplicaRegistry
 from ..membership.targets import ModelRoute, TaskTarget
 from ..metrics import Metrics
 from ..task_sets import cancel_in_slices
-from .group_json import group_json
+from .group_json import GroupOutcome
 from .run_log import RunLog
 from .runner import GroupRunner
 
@@ -134,7 +134,7 @@ class Admission:
             )
         return resolved
 
-    def start_batch(self, requests: list[GroupRequest]) -> list[asyncio.Task[bytes]]:
+    def start_batch(self, requests: list[GroupRequest]) -> list[asyncio.Task[GroupOutcome]]:
         """A batch's groups (POST /groups/batch), at most --max-batch of them, started as one call."""
         if len(requests) > self.limits.max_batch:
             raise Invalid(
@@ -149,7 +149,7 @@ class Admission:
         when sent or dropped): they keep their room under --max-queued-attempts until then."""
         self.queued_attempts += attempts
 
-    def start_groups(self, requests: list[GroupRequest]) -> list[asyncio.Task[bytes]]:
+    def start_groups(self, requests: list[GroupRequest]) -> list[asyncio.Task[GroupOutcome]]:
         """Admit and start groups; each is a task the service can cancel at shutdown. One share per
         call: concurrent calls get fair shares of the pools, earlier groups of one call go first."""
         resolved = self.admit(requests)
@@ -168,9 +168,9 @@ class Admission:
 
     async def _run(
         self, request: GroupRequest, target: TaskTarget, route: ModelRoute, sequence: int, share: object
-    ) -> bytes:
-        """One group, as the JSON every consumer gets: serialised once, recorded in the run log here
-        (whether or not its trainer is still there to read it)."""
+    ) -> GroupOutcome:
+        """One group, typed and as the JSON every consumer outside gets: serialised once, recorded in
+        the run log here (whether or not its trainer is still there to read it)."""
         self.metrics.groups_in_flight.inc()
         try:
             result = await self.runner.run_group(
@@ -180,10 +180,10 @@ class Admission:
             self.metrics.groups_in_flight.dec()
         if self.on_result is not None:
             self.on_result(result)
-        body = group_json(result)
+        outcome = GroupOutcome.of(result)
         if self.run_log is not None:
-            self.run_log.append(body)
-        return body
+            self.run_log.append(outcome.body)
+        return outcome
 
     def _uncount(self, attempts: int, _: asyncio.Future) -> None:
         self.queued_attempts -= attempts

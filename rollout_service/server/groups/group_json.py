@@ -3,18 +3,19 @@
 A group of exact 4-turn attempts holds ~100k token ids and logprobs, and pydantic's serialiser took
 ~19% of the service's CPU at bench/ceiling.py's ceiling. orjson writes the same JSON ~3x faster:
 each model's fields under their aliases, as `model_dump_json(by_alias=True)` would (checked byte
-for byte in tests/test_trajectory.py, but for the line breaks `one_line` escapes), and pydantic
-itself writes whatever orjson cannot (say, an int over 64 bits). Here, not in the protocol, because
-a trainer installs no orjson.
+for byte in tests/test_trajectory.py and tests/test_group_outcome.py, but for the line breaks
+`one_line` escapes), and pydantic itself writes whatever orjson cannot (say, an int over 64 bits).
+Here, not in the protocol, because a trainer installs no orjson.
 
 Most of a group is its trajectories' arrays and its turns' ids and messages. The arrays and ids
-the service builds are JsonLists (rollout_service/backends/transport.py), which kept their JSON as they grew: they
+the service builds are JsonLists (rollout_service/backends/json_body.py), which kept their JSON as they grew: they
 are copied into the result as written, not serialised again (serialising them again costs ~9% of the
 service's CPU at the ceiling). Bytes, not str: the stream and the run log send them as they are.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -47,6 +48,20 @@ def one_line(body: bytes) -> bytes:
         if raw in body:  # in valid UTF-8 these bytes are only ever that character
             body = body.replace(raw, escaped)
     return body
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOutcome:
+    """A finished group as Admission hands it on: the typed result for the service's own readers (the
+    sampler's filter, the measuring tool) and its JSON for those outside, encoded once, so that no
+    reader parses back what the service wrote."""
+
+    result: GroupResult
+    body: bytes  # group_json(result)
+
+    @classmethod
+    def of(cls, result: GroupResult) -> GroupOutcome:
+        return cls(result, group_json(result))
 
 
 def group_json(result: GroupResult) -> bytes:

@@ -23,6 +23,7 @@ from starlette.types import Send
 
 if TYPE_CHECKING:
     from .admission import Admission
+    from .group_json import GroupOutcome
 
 log = logging.getLogger("rollout_service.stream")
 
@@ -148,7 +149,7 @@ class BatchLines:
         self,
         request: Request,
         admission: Admission,
-        tasks: list[asyncio.Task[bytes]],
+        tasks: list[asyncio.Task[GroupOutcome]],
         sizes: list[int],
         held: HeldResults,
     ) -> None:
@@ -171,7 +172,7 @@ class BatchLines:
                     elif (exc := task.exception()) is not None:
                         line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
                     else:  # ~1 MB for 8 exact attempts: copied once here
-                        line = b'{"index": %d, "group": %b}' % (index, task.result())
+                        line = b'{"index": %d, "group": %b}' % (index, task.result().body)
                         sent = sizes[index]
                     del task
                     yield line + b"\n"
@@ -191,7 +192,7 @@ class BatchLines:
 def batch_answer(
     request: Request,
     admission: Admission,
-    tasks: list[asyncio.Task[bytes]],
+    tasks: list[asyncio.Task[GroupOutcome]],
     sizes: list[int],
     held: HeldResults,
     stall_timeout_s: float,

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rollout_service import installed_version
 
 from ...protocol import describe_errors
-from ...viewer import attach_viewer
+from ...viewer import SecurityHeaders, attach_viewer
 from ..config import ServiceConfig
 from ..errors import (
     BackendFailed,
@@ -177,5 +177,6 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     if keys.data is not None or keys.admin is not None:
         # Outside the body cap: nothing is parsed before the key is checked.
         app.add_middleware(PlaneAuth, keys=keys, routes=app.router.routes)
-    app.add_middleware(RefuseControlPaths)  # outermost: before the keys, before routing
+    app.add_middleware(RefuseControlPaths)  # before the keys, before routing
+    app.add_middleware(SecurityHeaders)  # the viewer's CSP on its every answer, refusals included
     return app

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute, Match
@@ -92,6 +93,21 @@ class Keys:
 
     def open_planes(self) -> list[str]:
         return [name for name, key in (("data", self.data), ("admin", self.admin)) if key is None]
+
+
+def loopback_url(url: str) -> bool:
+    """Whether `url` (or `//HOST[:PORT]`, a Host header) names this machine's loopback by its host alone,
+    resolving nothing: localhost or a loopback address."""
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return False  # not a URL at all (an unclosed [ ...)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def loopback_listen(listen: str) -> bool:

@@ -28,12 +28,12 @@ async def post_group(body: GroupRequest, request: Request) -> Response:
     service = service_of(request)
     (task,) = service.admission.start_groups([body])
     try:
-        result = await task
+        outcome = await task
     except asyncio.CancelledError:
         if task.cancelled() and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
             raise shutting_down() from None  # the service cancelled the group, not the client
         raise
-    return Response(result, media_type="application/json")
+    return Response(outcome.body, media_type="application/json")
 
 
 @router.post(

@@ -208,6 +208,8 @@ class ReplicaRegistry:
         """No new turn to this replica: groups pinned there move at their next turn."""
         route, endpoint = self._present(body)
         states = self.states[body.role]
+        if states.phase(endpoint) is Phase.DRAINING:
+            return self.state(body.role, endpoint)  # asked again (a retry): it drains already
         others = [e for e in route.client.endpoints if e is not endpoint and states.phase(e) is Phase.SERVING]
         if not others:
             raise Conflict(

@@ -278,8 +278,10 @@ class PolicyManager:
         take it out of routing and bring it there (in the background)."""
         if self._closing:
             return
-        if self._lock.locked() or self.paused or self.states.phase(endpoint) in (Phase.RESTORING, Phase.DRAINING):
-            return  # an update, the trainer's pause or a restore is deciding for it; a draining one leaves
+        if self._lock.locked() or self.paused or self.states.phase(endpoint) is Phase.RESTORING:
+            return  # an update, the trainer's pause or a restore is deciding for it
+        if self.states.phase(endpoint) is Phase.DRAINING:
+            return await self._resume_draining(endpoint)  # it leaves: not restored, but never left paused
         if endpoint not in self.client.endpoints:
             return  # removed while it was probed
         current = self.current
@@ -304,6 +306,15 @@ class PolicyManager:
             return
         self.states.restore(endpoint, f"does not serve {current.label} (restarted?); bringing it there")
         self._spawn(self._restore(endpoint, current))
+
+    async def _resume_draining(self, endpoint: Endpoint) -> None:
+        """A draining replica this service left paused (its resume failed, or a pause lease ran out on
+        it): the turns frozen there end, and it can be removed, only once it is resumed."""
+        if not await is_paused(engine_of(endpoint)):  # asked before the lock: an update never waits on it
+            return
+        async with self._lock:  # outside an update and the trainer's pause, nothing else holds it paused
+            if not self.paused and endpoint in self.client.endpoints:
+                await self.pause_lease.resume([endpoint])
 
     async def _serves(self, endpoint: Endpoint, version: PolicyVersion, models: list[str]) -> bool:
         if self.states.held_paused(endpoint):
@@ -333,11 +344,15 @@ class PolicyManager:
         added, when an update or a restore still holds the replica list after `timeout_s`."""
         try:
             async with asyncio.timeout(max(0.0, timeout_s)):
+                # Left paused (by a service that could not resume it, as at start): resumed before routed.
+                paused = await is_paused(engine_of(endpoint))
                 await self._lock.acquire()  # a cancelled acquire leaves the lock free (asyncio.Lock)
         except TimeoutError:
             return False
         try:
             self.states.join(endpoint, f"joining: routed once it serves version {self.current.label}")
+            if paused:
+                self.states.hold_paused(endpoint, "found paused when it joined: resumed before it is routed")
         finally:
             self._lock.release()
         await self.reconcile(endpoint, models)

@@ -9,7 +9,8 @@ A replica is in one phase at a time:
   current version. A restore under way decides what comes next, so an exclusion meanwhile only
   changes the reason;
 - paused: held paused by this service and not resumed (a resume failed, or the trainer's lease
-  ran out on weights nobody named). Never routed before it is resumed: a turn there would hang;
+  ran out on weights nobody named), or found paused when it joined. Never routed before it is
+  resumed: a turn there would hang;
 - excluded(reason): out of routing until the monitor has checked it;
 - draining: being removed; no event but the removal takes it out of this phase.
 

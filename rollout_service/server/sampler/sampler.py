@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import orjson
 from prometheus_client import Counter as PromCounter
 from pydantic import ValidationError
 
@@ -25,6 +24,7 @@ from ...protocol import GRADED_STATUSES, describe_errors, short_text
 from ...sampler_protocol import DroppedGroup, TaskDraw, _SamplerSettings, group_from_template
 from ..errors import Conflict, Invalid, NotFound, RequestRefused
 from ..groups.admission import Admission
+from ..groups.group_json import GroupOutcome
 from ..groups.streaming import HeldResults
 from ..membership.envs import EnvRegistry
 from ..policy.manager import PolicyManager
@@ -226,7 +226,7 @@ class Sampler:
         allow_eval = bool(self.template.get("allow_eval_side", False))
         pool = pools_drawn_on(rooms.envs, buckets, allow_eval)
         self.at_once = settings.groups_at_once or max(1, math.ceil(pool / self.n) + 1)
-        self.running: dict[asyncio.Task[bytes], str] = {}
+        self.running: dict[asyncio.Task[GroupOutcome], str] = {}
         self.started = 0
         self.tally = Tally()
         self.stopped: str | None = None
@@ -328,7 +328,7 @@ class Sampler:
                 if task in done:
                     return self._outcome(task, self.running.pop(task))
 
-    def _outcome(self, task: asyncio.Task[bytes], task_id: str) -> Finished:
+    def _outcome(self, task: asyncio.Task[GroupOutcome], task_id: str) -> Finished:
         if task.cancelled():
             # Only the service cancels a group of ours while we run: it is shutting down.
             self.stopped = "the service is shutting down: its groups were cancelled"
@@ -336,37 +336,37 @@ class Sampler:
         exc = task.exception()
         if exc is not None:
             return self._drop(task_id, self.n, "group_failed", f"{type(exc).__name__}: {exc}")
-        body = task.result()
-        group = orjson.loads(body)
+        outcome = task.result()
+        group = outcome.result
         self.tally.groups_run += 1
-        graded = [a["reward"] for a in group["attempts"] if a["status"] in GRADED_STATUSES and a["reward"] is not None]
-        oldest = group.get("oldest_policy_version")
+        graded = [a.reward for a in group.attempts if a.status in GRADED_STATUSES and a.reward is not None]
+        oldest = group.oldest_policy_version
         reason = detail = None
         if self.settings.filter == "signal":
             if len(graded) < 2:
-                statuses = Counter(a["status"] for a in group["attempts"])
+                statuses = Counter(a.status for a in group.attempts)
                 reason = "too_few_graded"
-                detail = f"{len(graded)} of {group['n']} attempts graded ({dict(statuses)}): no comparison"
+                detail = f"{len(graded)} of {group.n} attempts graded ({dict(statuses)}): no comparison"
             elif all(r == graded[0] for r in graded):
                 reason, detail = "no_signal", f"every graded reward is {graded[0]:g}"
-        tokens = group.get("completion_tokens", 0)
+        tokens = group.completion_tokens
         if reason is None:
             return Finished(
-                task_id, group["n"], group.get("group_id"), body=body, oldest_version=oldest, completion_tokens=tokens
+                task_id, group.n, group.group_id, body=outcome.body, oldest_version=oldest, completion_tokens=tokens
             )
         assert detail is not None
-        self.held.release(group["n"])
+        self.held.release(group.n)
         dropped = DroppedGroup(
             task_id=task_id,
-            group_id=group.get("group_id"),
+            group_id=group.group_id,
             reason=reason,
             detail=detail,
-            rewards=group["rewards"],
-            attempts=group["n"],
+            rewards=group.rewards,
+            attempts=group.n,
             completion_tokens=tokens,
         )
         self.count_dropped(dropped)
-        return Finished(task_id, group["n"], dropped=dropped, oldest_version=oldest, completion_tokens=tokens)
+        return Finished(task_id, group.n, dropped=dropped, oldest_version=oldest, completion_tokens=tokens)
 
     def _drop(self, task_id: str, attempts: int, reason: str, detail: str) -> Finished:
         if not self.stopped:  # a group cancelled by a shutdown did not run

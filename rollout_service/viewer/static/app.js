@@ -6,6 +6,7 @@
   const API = "/ui/api";
   const main = document.getElementById("main");
   let timer = null;
+  let drawing = 0; // bumped by each route(): an answer for an earlier one is dropped, not drawn
 
   function el(tag, props, ...children) {
     const node = document.createElement(tag);
@@ -22,13 +23,18 @@
   const pct = (v) => (v === null || v === undefined ? "–" : `${(v * 100).toFixed(0)}%`);
 
   class Unauthorized extends Error {}
+  class Stale extends Error {}
 
   async function get(path) {
+    const mine = drawing;
     const key = sessionStorage.getItem(KEY);
     const headers = key ? { Authorization: `Bearer ${key}` } : {};
     const answer = await fetch(API + path, { headers: headers, cache: "no-store" });
     if (answer.status === 401) throw new Unauthorized("the service wants the API key");
     const body = await answer.json();
+    // The page moved on while this was on its way (a slow overview refresh, then a click on Groups):
+    // drawing it now would put the old page over the new one.
+    if (mine !== drawing) throw new Stale();
     if (!answer.ok) throw new Error(body.message || `HTTP ${answer.status}`);
     return body;
   }
@@ -281,7 +287,7 @@
       const th = el("th", { class: "sortable", text: name + (taskSort.key === key ? (taskSort.down ? " ▼" : " ▲") : "") });
       th.addEventListener("click", () => {
         taskSort = { key: key, down: taskSort.key === key ? !taskSort.down : false };
-        tasks();
+        route(); // this page again, sorted: its errors handled as any page's
       });
       header.append(th);
     }
@@ -302,6 +308,7 @@
 
   async function route(refresh) {
     clearTimeout(timer);
+    drawing++;
     const hash = location.hash || "#/overview";
     const [path, query] = hash.slice(1).split("?");
     const parts = path.split("/").filter(Boolean);
@@ -315,6 +322,7 @@
       else await overview();
       document.body.dataset.loaded = hash;
     } catch (err) {
+      if (err instanceof Stale) return;
       if (err instanceof Unauthorized) askKey("The service wants the trainers' API key (kept in this tab only).");
       else if (!refresh) show(el("p", { class: "error", text: String(err.message || err) }));
     }
