@@ -1,11 +1,13 @@
 """Replicas of one model server, as one: which replica a request goes to (groups pinned to one, so
-that their shared prompt prefix is cached there; new groups to the least loaded), replicas added,
+that their shared prompt prefix is cached there; new groups to the one with the fewest episodes in
+flight), how many turns at once each is sent (kv_admission.py), replicas added,
 drained and removed at runtime, failover and exclusion, and an optional request rate cap. The calls
 themselves are each replica's Engine's (rollout_service/backends/engine.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from .addresses import AddressPolicy
 from .answers import Completion, TokenizeAnswer
 from .engine import Engine, VllmServer
 from .errors import BadInferenceResponse, InferenceError, InferenceServerError, InferenceTimeout, InferenceUnreachable
+from .kv_admission import KvAdmission
 from .transport import DEFAULT_MAX_ANSWER_BYTES, HttpTransport, make_transport
 
 T = TypeVar("T")
@@ -37,10 +40,6 @@ class Endpoint:
     changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
     engine: Engine | None = field(default=None, repr=False, compare=False)  # its calls; set by the pool
 
-    @property
-    def load(self) -> tuple[int, int]:
-        return (self.groups, self.outstanding)
-
 
 class ReplicaPool:
     """Completions, chat completions and renders over one or more replicas of the same model server.
@@ -62,11 +61,13 @@ class ReplicaPool:
         http: HttpTransport | None = None,
         engine: Callable[[str], Engine] | None = None,
         address_policy: AddressPolicy | None = None,
+        kv: KvAdmission | None = None,
     ) -> None:
         """`http`: the client to call the servers with (a test's stand-in); otherwise the service's own
         stack, connecting where `address_policy` allows. `engine`: what speaks to the replica at a
         URL; vLLM's server (VllmServer) unless given. `update_timeout_s`: the deadline of an adapter load
-        or weight reload (VllmServer)."""
+        or weight reload (VllmServer). `kv`: the bound on each replica's turns in flight (none unless
+        given)."""
         if not urls:
             raise ValueError("at least one model server URL is needed")
         self.api_key = api_key
@@ -76,6 +77,11 @@ class ReplicaPool:
         self._update_timeout_s = update_timeout_s
         self.endpoints = [self.new_endpoint(u) for u in urls]
         self._pins: dict[str, Endpoint] = {}
+        # Episodes in flight per affinity key (a group's attempts), as `episode` counts them; a key
+        # pinned without any counted weighs one.
+        self._episodes: dict[str, int] = {}
+        self._turn = 0  # rotates the ties among equally loaded replicas
+        self.kv = kv or KvAdmission(self.metrics_text, mode="off")
         self._deadline_s = timeout_s
         self._routable_again = asyncio.Event()
         # Told of every failure on a replica before the client retries elsewhere; may exclude it.
@@ -89,7 +95,16 @@ class ReplicaPool:
             self._throttle = Throttler(rate_limit=rate, period=rate / max_requests_per_second)
 
     async def aclose(self) -> None:
+        await self.kv.aclose()
         await self._http.aclose()
+
+    async def metrics_text(self, url: str) -> str:
+        """A replica's /metrics (Prometheus text); raises on no answer or one not 200."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        answer = await self._http.request("GET", f"{url}/metrics", headers=headers, timeout=5.0)
+        if answer.status != 200:
+            raise ValueError(f"HTTP {answer.status}")
+        return answer.text
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -141,6 +156,7 @@ class ReplicaPool:
 
     def remove(self, endpoint: Endpoint) -> None:
         self.endpoints.remove(endpoint)
+        self.kv.forget(endpoint.url)
         for key in [k for k, e in self._pins.items() if e is endpoint]:
             self.unpin(key)
         endpoint.changed.set()
@@ -187,7 +203,7 @@ class ReplicaPool:
             endpoint = None
         if endpoint is None:
             endpoints = endpoints or self.routable() or [e for e in self.endpoints if not e.draining] or self.endpoints
-            endpoint = min(endpoints, key=lambda e: (e.failures > 0, e.load))
+            endpoint = self.least_loaded(endpoints)
             endpoint.groups += 1
             self._pins[key] = endpoint
         return endpoint
@@ -196,6 +212,38 @@ class ReplicaPool:
         endpoint = self._pins.pop(key, None)
         if endpoint is not None:
             endpoint.groups -= 1
+
+    def episodes_on(self) -> dict[str, int]:
+        """Episodes in flight per replica URL: those of the groups pinned there."""
+        counts = dict.fromkeys((e.url for e in self.endpoints), 0)
+        for key, endpoint in self._pins.items():
+            counts[endpoint.url] = counts.get(endpoint.url, 0) + self._episodes.get(key, 1)
+        return counts
+
+    def least_loaded(self, endpoints: list[Endpoint]) -> Endpoint:
+        """The replica with the fewest episodes in flight (then fewest requests), one that failed last
+        only if all did; equal ones take new work in turn, not always the first listed.
+
+        Episodes, not groups: a group with one long attempt left weighs less than one just begun, and
+        counting groups piles new ones onto the replica whose groups are all still at full width.
+        Episodes, not tokens in flight: an episode between turns (its env stepping) holds no request
+        but will send its next turn here, so a snapshot of requests undercounts the sticky load."""
+        episodes = self.episodes_on()
+        self._turn += 1
+        order = {id(e): (i - self._turn) % len(endpoints) for i, e in enumerate(endpoints)}
+        return min(endpoints, key=lambda e: (e.failures > 0, episodes.get(e.url, 0), e.outstanding, order[id(e)]))
+
+    async def episode(self, key: str, run: Awaitable[T]) -> T:
+        """Await `run`, one episode of affinity `key`, counted in its replica's load meanwhile."""
+        self._episodes[key] = self._episodes.get(key, 0) + 1
+        try:
+            return await run
+        finally:
+            left = self._episodes[key] - 1
+            if left:
+                self._episodes[key] = left
+            else:
+                del self._episodes[key]
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -290,7 +338,7 @@ class ReplicaPool:
                 self.unpin(affinity)
             if endpoint.excluded is None:  # down, but still routed: prefer any other replica
                 others = [e for e in self.routable() if e is not endpoint]
-                other = self.pin(affinity, others) if affinity else min(others, key=lambda e: e.outstanding)
+                other = self.pin(affinity, others) if affinity else self.least_loaded(others)
             else:
                 other = await self._choose(affinity)
             return await send(other)
@@ -301,20 +349,19 @@ class ReplicaPool:
             endpoints = await self._wait_routable()
         if affinity:
             return self.pin(affinity, endpoints)
-        return min(endpoints, key=lambda e: e.outstanding)
+        return self.least_loaded(endpoints)
 
     async def _call(self, endpoint: Endpoint, call: Callable[[Engine], Awaitable[T]], throttled: bool = False) -> T:
-        """`call` on one replica, counted in its load while it runs, its failures kept on the endpoint."""
-        if throttled and self._throttle is not None:
-            endpoint.outstanding += 1  # bound for this replica already: a removal waits for it
-            try:
-                async with self._throttle:
-                    pass
-            finally:
-                endpoint.outstanding -= 1  # counted again below before anything else can run
+        """`call` on one replica, counted in its load while it runs (and while it waits for the rate cap
+        or the replica's KV bound: a removal waits for it), its failures kept on the endpoint."""
         endpoint.outstanding += 1
         try:
-            result = await call(engine_of(endpoint))
+            if throttled and self._throttle is not None:
+                async with self._throttle:
+                    pass
+            # Only turns (throttled calls) take a place under the replica's KV bound.
+            async with self.kv.slot(endpoint.url) if throttled else contextlib.nullcontext():
+                result = await call(engine_of(endpoint))
         except (InferenceTimeout, InferenceUnreachable, InferenceServerError) as exc:
             endpoint.failures += 1
             endpoint.last_error = f"{exc.status}: {exc.detail}" if exc.status else f"{exc.kind}: {exc.detail}"

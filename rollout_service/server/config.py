@@ -11,12 +11,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..backends.kv_admission import KvMode
 from ..backends.limits import DEFAULT_MAX_ANSWER_BYTES
 from ..flags import PORT_FILE_HELP, Flag, ListenAddress, PortFile
 from ..protocol import http_url
 from ..runs import valid_run_id
 
 ENV_PREFIX = "ROLLOUT_"
+
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LogFormat = Literal["text", "json"]
 
@@ -118,6 +120,17 @@ class ServiceConfig(BaseModel):
     )
     max_requests_per_second: Annotated[float | None, Flag(metavar="R")] = Field(
         None, gt=0, description="cap on chat requests per second to each model route"
+    )
+    kv_admission: Annotated[KvMode, Flag(metavar="MODE")] = Field(
+        "adaptive",
+        description="bound on each replica's turns in flight: adaptive (from its /metrics: cut on preemptions or "
+        "a full KV cache, raised while healthy), fixed (--kv-max-turns), off",
+    )
+    kv_max_turns: Annotated[int | None, Flag(metavar="N")] = Field(
+        None, ge=1, description="turns in flight per replica with --kv-admission fixed"
+    )
+    kv_poll_interval: Annotated[float, Flag(metavar="SECONDS")] = Field(
+        1.0, gt=0, description="how often each replica's /metrics is read for --kv-admission adaptive"
     )
     max_n: int = Field(64, ge=1, description="largest n a group may ask for")
     max_batch: int = Field(1024, ge=1, description="most groups in one POST /groups/batch")
@@ -251,6 +264,12 @@ class ServiceConfig(BaseModel):
         if len(set(names)) != len(names):
             raise ValueError("a name is given twice")
         return value
+
+    @model_validator(mode="after")
+    def _kv_cap_given(self) -> ServiceConfig:
+        if self.kv_admission == "fixed" and self.kv_max_turns is None:
+            raise ValueError("--kv-admission fixed needs --kv-max-turns N")
+        return self
 
     @model_validator(mode="after")
     def _pause_within_its_maximum(self) -> ServiceConfig:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from ..protocol import Attempt, GroupResult
@@ -67,6 +69,10 @@ class Metrics:
             "rollout_policy_update_seconds", "Policy updates, by kind", ["kind"], buckets=_LATENCY_BUCKETS, registry=r
         )
 
+    def watch_replicas(self, rows: Callable[[], Iterable[tuple[str, str, int, int | None]]]) -> None:
+        """Read at each scrape: (role, replica URL, episodes in flight, its KV turn bound or None)."""
+        self.registry.register(_ReplicaLoad(rows))
+
     def replicas_in(self, role: str, counts: Mapping[str, int]) -> None:
         """How many of a route's replicas stand in each phase (server/policy/replica_states.py)."""
         for phase, count in counts.items():
@@ -104,3 +110,26 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ReplicaLoad(Collector):
+    """Each replica's load and the bound on its turns (backends/kv_admission.py), as they are now."""
+
+    def __init__(self, rows: Callable[[], Iterable[tuple[str, str, int, int | None]]]) -> None:
+        self.rows = rows
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        episodes = GaugeMetricFamily(
+            "rollout_replica_episodes", "Episodes in flight pinned to each replica", labels=["role", "replica"]
+        )
+        cap = GaugeMetricFamily(
+            "rollout_replica_turn_cap",
+            "Turns in flight each replica may have (KV-aware admission); absent: no bound",
+            labels=["role", "replica"],
+        )
+        for role, url, count, bound in self.rows():
+            episodes.add_metric([role, url], count)
+            if bound is not None:
+                cap.add_metric([role, url], bound)
+        yield episodes
+        yield cap

@@ -62,6 +62,7 @@ class RolloutService:
             env_token=config.env_token(),
         )
         self.replicas = ReplicaRegistry(config, self.lifecycle, self.metrics, allowed)
+        self.metrics.watch_replicas(self.replicas.load_rows)
         self.runner = GroupRunner(
             self.scheduler,
             self.replicas.policy,

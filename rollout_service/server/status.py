@@ -42,11 +42,20 @@ class EnvDetail(_Probed):
     leased: int | None = None  # the worlds the env itself counts as in use, where its /health says (refenv does)
 
 
+class KvBound(BaseModel):
+    cap: int | None = Field(description="turns in flight it may have; null: no bound (see why)")
+    in_flight: int
+    waiting: int = Field(description="turns waiting in the service for a place under the cap")
+    why: str = Field(description="how the cap was chosen at the last read of its /metrics")
+
+
 class ModelDetail(_Probed):
     url: str
     role: str
     model: str
     outstanding: int
+    episodes: int = Field(0, description="episodes in flight pinned here (new episodes go to the fewest)")
+    kv_admission: KvBound | None = Field(None, description="the bound on its turns in flight (KV-aware admission)")
     state: str = Field(description="where it stands: joining, serving, restoring, paused, excluded, draining")
     token_prompts: str
     out_of_routing: str | None = None
@@ -133,6 +142,7 @@ class Health:
         ]
         models = []
         for role, route in self.replicas.model_routes():
+            episodes = route.client.episodes_on()
             for endpoint in route.client.endpoints:
                 standing = self.replicas.states[role].report(endpoint)
                 state: dict[str, Any] = {
@@ -140,6 +150,8 @@ class Health:
                     "role": role,
                     "model": route.model,
                     "outstanding": endpoint.outstanding,
+                    "episodes": episodes.get(endpoint.url, 0),
+                    "kv_admission": route.client.kv.gate(endpoint.url).report(),
                     "state": standing.state,
                     "token_prompts": "no: support turns go as chat" if role == "support" else token_prompts(route),
                 }

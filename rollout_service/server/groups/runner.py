@@ -82,12 +82,15 @@ class GroupRunner:
         closes_at = started + request.deadline_s if request.deadline_s is not None else None
         slots: list[Attempt | None] = [None] * request.n
         try:
-            closed = await run_until_closed(request, runs, {i: r.run() for i, r in enumerate(runs)}, slots, closes_at)
+            # Each attempt counted as an episode on its group's replica while it runs: routing by load.
+            episode = policy.client.episode
+            jobs = {i: episode(group_id, r.run()) for i, r in enumerate(runs)}
+            closed = await run_until_closed(request, runs, jobs, slots, closes_at)
             attempts = [a for a in slots if a is not None]
             # An attempt within the bound when it ended may have fallen behind while its siblings
             # ran: the group returns only attempts within the bound now (re-run until it closes).
             while closed is None and (redo := [i for i, a in enumerate(attempts) if self.parts.went_stale(request, a)]):
-                jobs = {i: runs[i].run(attempts[i]) for i in redo}
+                jobs = {i: episode(group_id, runs[i].run(attempts[i])) for i in redo}
                 closed = await run_until_closed(request, runs, jobs, slots, closes_at)
                 attempts = [a for a in slots if a is not None]
             if closed is not None:  # closed: one that fell behind since is stale, not run again

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from ...backends.errors import AddressNotAllowed, InferenceAnswerTooLarge, InferenceError, InferenceUnreachable
+from ...backends.kv_admission import KvAdmission
 from ...backends.replica_pool import Endpoint, ReplicaPool
 from ...protocol import ReplicaAdd, ReplicaRef, ReplicaRemove, ReplicaState
 from ..config import ServiceConfig
@@ -26,7 +27,7 @@ log = logging.getLogger("rollout_service.replicas")
 
 
 def _replica_pool(urls: list[str], config: ServiceConfig, allowed: AllowedBackends, **kwargs: Any) -> ReplicaPool:
-    return ReplicaPool(
+    pool = ReplicaPool(
         urls,
         timeout_s=config.inference_timeout,
         max_requests_per_second=config.max_requests_per_second,
@@ -35,6 +36,10 @@ def _replica_pool(urls: list[str], config: ServiceConfig, allowed: AllowedBacken
         update_timeout_s=config.update_timeout,
         **kwargs,
     )
+    pool.kv = KvAdmission(
+        pool.metrics_text, mode=config.kv_admission, fixed_cap=config.kv_max_turns, interval_s=config.kv_poll_interval
+    )
+    return pool
 
 
 class ReplicaRegistry:
@@ -75,6 +80,16 @@ class ReplicaRegistry:
         self._own_secrets = {v for v in (config.api_key_env, config.admin_key_env, config.env_token_env) if v}
         # What it may be sent: only variables the operator listed at start (--replica-key-envs).
         self._replica_keys = {*config.replica_key_envs, *([config.vllm_api_key_env] if config.vllm_api_key_env else [])}
+
+    def load_rows(self) -> list[tuple[str, str, int, int | None]]:
+        """Per replica: role, URL, episodes in flight there, the bound on its turns (None: none)."""
+        rows = []
+        for role, route in self.model_routes():
+            episodes = route.client.episodes_on()
+            for endpoint in route.client.endpoints:
+                cap = route.client.kv.gate(endpoint.url).cap
+                rows.append((role, endpoint.url, episodes.get(endpoint.url, 0), cap))
+        return rows
 
     def model_routes(self) -> list[tuple[str, ModelRoute]]:
         """Every model the service may ask, with the role /health names it by."""
