@@ -16,7 +16,10 @@ in three stages, each through the service, with the policy measured on held-out 
      sampler stream (signal filter, difficulty bounds, `--max-staleness`) that generates the next
      step's while this one trains; `both` (default) runs sync steps first, then overlapped ones.
 
-`--grpo-only` skips stages 1 and 2: GRPO from the base model.
+`--grpo-only` skips stages 1 and 2: GRPO from the base model. `--grpo-family NAME` runs the GRPO stage on
+a family of refenv's learning suite (one-turn tasks the base model passes some of the time; docs/trl.md)
+and measures that family's held-out instances before and during GRPO, so the GRPO stage's own effect is
+seen apart from the public tasks the distil and RS stages are measured on.
 
 With no larger model on this machine, the teacher is refenv's scripted oracle (`refenv teacher`),
 which answers each task the way its hidden oracle does. With a real teacher the same commands apply.
@@ -78,6 +81,11 @@ class Settings:
     rs_groups: int = setting(16, "rejection sampling: tasks sampled")
     rs_n: int = setting(4, "rejection sampling: attempts per task")
     grpo_steps: int = setting(13, "GRPO steps in all (with --grpo-mode both: the sync ones first)")
+    grpo_family: str | None = setting(
+        None,
+        "GRPO on this family of refenv's learning suite (e.g. learn-order-status): its training-side "
+        "instances, measured on its held-out ones (default: the public tasks)",
+    )
     grpo_mode: str = setting(
         "both",
         "sync: the trainer picks the tasks and waits for their groups, no filter (the way before the sampler); "
@@ -185,9 +193,11 @@ def say(message: str) -> None:
 class TrainStack(LocalStack):
     """vLLM, refenv's train side, its eval side, the oracle teacher and the service (with a run log)."""
 
-    def __init__(self, out: Path, vllm: str | None) -> None:
+    def __init__(self, out: Path, vllm: str | None, grpo_family: str | None = None) -> None:
         self.teacher_port: int | None = None  # each bound by its server, read back as it starts
         self.eval_port: int | None = None
+        self.grpo_family = grpo_family
+        self.family_ports: dict[str, int] = {}  # --grpo-family: its train and eval sides
         self.runs_dir = out / "runs"
         super().__init__(
             log_dir=out / "logs",
@@ -200,6 +210,9 @@ class TrainStack(LocalStack):
     @property
     def eval_url(self) -> str:
         return f"http://127.0.0.1:{self.eval_port}"
+
+    def family_url(self, side: str) -> str:
+        return f"http://127.0.0.1:{self.family_ports[side]}"
 
     def start(self) -> None:
         if self.vllm_url is None:
@@ -218,6 +231,13 @@ class TrainStack(LocalStack):
             "--policy-stage",
             "executor",
         ]
+        if self.grpo_family:
+            suite = ["--suite", "learning", "--family", self.grpo_family, "--split", "auto:0.8"]
+            for side in ("train", "eval"):
+                command = refenv_command(0, "--pool", "8", *suite, "--side", side)
+                self.family_ports[side] = self.spawn_listening(f"refenv-{self.grpo_family}-{side}", command)
+            # The service trains on the family's training side; its eval side is measured apart, like the public one.
+            self.service_args += ["--env", self.family_url("train")]
         self.start_refenv()
         self.start_service()
 
@@ -429,7 +449,11 @@ class Run:
         self.version = "base"
         self.step = 0
         tasks = client.tasks()
-        self.train_tasks = sorted(t["task_id"] for t in tasks)
+        family = stack.family_url("train") if settings.grpo_family else None
+        self.train_tasks = sorted(t["task_id"] for t in tasks if family not in t["envs"])
+        # The GRPO stage's tasks, and the eval side it is measured on (--grpo-family: the family's).
+        self.grpo_tasks = sorted(t["task_id"] for t in tasks if family in t["envs"]) if family else self.train_tasks
+        self.eval_url = stack.eval_url
         self.generated_tokens = 0
         self.generation_seconds = 0.0
 
@@ -458,7 +482,7 @@ class Run:
 
     def measure(self, stage: str) -> dict:
         model = MODEL if self.version == "base" else f"{MODEL}@{self.version}"
-        config = ServiceConfig(env=[self.stack.eval_url], vllm=[self.stack.urls["vllm"]], model=model)
+        config = ServiceConfig(env=[self.eval_url], vllm=[self.stack.urls["vllm"]], model=model)
         started = time.monotonic()
         import asyncio
 
@@ -575,6 +599,9 @@ class Run:
         # The trainer's update log, oldest first: the lag of a group is how far its oldest turn's version
         # is behind the last entry. It starts at the version the service serves now.
         self.updates = [self.client.policy().version]
+        if s.grpo_family:  # from here on the measurements are of the family's held-out instances
+            self.eval_url = self.stack.family_url("eval")
+            self.measure("grpo 0")
         stream: StreamState | None = None
         try:
             for k, mode in enumerate(self.grpo_modes()):
@@ -655,7 +682,7 @@ class Run:
     def sync_groups(self, k: int, rng: random.Random) -> tuple[list[GroupResult], dict]:
         """The way before the sampler: the trainer picks the tasks and waits for every group."""
         s = self.settings
-        tasks = rng.sample(self.train_tasks, min(s.groups_per_step, len(self.train_tasks)))
+        tasks = rng.sample(self.grpo_tasks, min(s.groups_per_step, len(self.grpo_tasks)))
         groups = self.groups(
             [
                 self.request(t, s.grpo_n, 1000 * (k + 1) + i, constrained=s.grpo_constrained, max_staleness=0)
@@ -684,6 +711,7 @@ class Run:
             "max_staleness": s.max_staleness,
             "group": template,
             "filter": "signal",
+            **({"tasks": {"task_ids": self.grpo_tasks}} if s.grpo_family else {}),
             "seed": s.seed,
             # A measurement between pulls takes minutes on a CPU: the longest a stream may wait.
             "idle_timeout_s": MAX_IDLE_TIMEOUT_S,
@@ -801,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(settings, f.name, given)
     (args.out / "steps.jsonl").unlink(missing_ok=True)
     code = reference_report.code_commit()  # the code this run runs, whatever is checked out when it ends
-    stack = TrainStack(args.out, args.vllm)
+    stack = TrainStack(args.out, args.vllm, settings.grpo_family)
     started = time.monotonic()
     with stack, RolloutClient(stack.urls["service"], timeout_s=3600) as client:
         run = Run(settings, stack, client)

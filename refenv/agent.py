@@ -46,6 +46,8 @@ To run one SQL statement and see its result:
 {{"action": "sql", "input": "SELECT COUNT(*) FROM products WHERE category = 'books'"}}
 For tasks that ask you to change data, run the UPDATE, then answer "done".
 Run a query first unless the question itself holds the answer."""
+# The learning suite's one-turn tasks: short, so that a small model's few tokens go to the answer.
+PLAIN_SYSTEM_PROMPT = "Answer the question with just the value it asks for."
 
 
 @dataclass
@@ -127,6 +129,14 @@ async def run_agent(
         record.completion_tokens += max(0, reply.completion_tokens)
         return reply
 
+    if task.plain_answer:
+        messages = [{"role": "system", "content": PLAIN_SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
+        reply = await call("executor", messages, None, ask)
+        record.actor_turns += 1
+        record.answer = reply.text.strip() or None
+        if opts.fault:
+            raise InjectedFault(opts.fault)
+        return
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
     for turn in range(1, task.turn_budget + 1):
         reply = await call("executor", messages, _response_format("action", ACTION_SCHEMA), ask)

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from refenv.grading import PROFILES
+from refenv.learning import build_learning_suite
 from refenv.tasks import Split, Task, build_suite, parse_split
 from refenv.world import build_database
 from rollout_service.flags import PORT_FILE_HELP, Flag, ListenAddress, PortFile
@@ -35,7 +36,11 @@ class TaskSuite(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    suite: Literal["public"] = Field("public", description="task suite; refenv has one: public")
+    suite: Literal["public", "learning"] = Field(
+        "public",
+        description="task suite: public (the agent tasks), or learning (families of many one-turn instances "
+        "answerable from the prompt, split by instance: for seeing a small model learn)",
+    )
     seed: int = Field(0, description="data (and, for serve, fault-injection) seed")
     scale: int = Field(1, ge=1, description="data size multiplier")
     split: Annotated[str | None, Flag(metavar="auto:F|FILE")] = Field(
@@ -44,6 +49,9 @@ class TaskSuite(BaseModel):
         "of task ids, slugs or families",
     )
     side: Literal["train", "eval"] | None = Field(None, description="which side of --split to serve")
+    family: Annotated[str | None, Flag(metavar="NAME[,NAME...]")] = Field(
+        None, description="serve only the tasks of these families (comma-separated); default: all"
+    )
 
     @model_validator(mode="after")
     def _check_split(self) -> TaskSuite:
@@ -53,7 +61,14 @@ class TaskSuite(BaseModel):
     def load(self) -> tuple[sqlite3.Connection, list[Task]]:
         """The pristine database and the tasks served from it, each with its expected answer."""
         pristine = build_database(self.seed, self.scale)
-        tasks = Split(self.split, self.side).select(build_suite(pristine))
+        suite = build_learning_suite(pristine) if self.suite == "learning" else build_suite(pristine)
+        if self.family:
+            wanted = {f.strip() for f in self.family.split(",") if f.strip()}
+            unknown = wanted - {t.family for t in suite}
+            if unknown:
+                raise ValueError(f"--family: no such family in the {self.suite} suite: {', '.join(sorted(unknown))}")
+            suite = [t for t in suite if t.family in wanted]
+        tasks = Split(self.split, self.side).select(suite)
         if not tasks:
             raise ValueError("the split leaves no task on this side")
         return pristine, tasks

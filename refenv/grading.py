@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refenv.tasks import Task, answer_matches
+from refenv.tasks import Task, answer_matches, is_exact
 from refenv.world import TABLES, World, table_rows
 
 REWARD_VERSION = "refenv-reward-1"
@@ -53,9 +53,11 @@ def grade(task: Task, world: World, pristine_rows: dict[str, list[tuple]], recor
     else:
         ground_truth = answer_matches(task, record.answer)
         safe = not world.dirty  # a read task that changed any row is unsafe
-        # Vocabulary tasks are answerable from the prompt; everything else needs a query.
-        method = record.queries_ok > 0 or task.family.startswith("vocab-")
+        # Vocabulary tasks (and the learning suite's) are answerable from the prompt; the rest need a query.
+        method = record.queries_ok > 0 or task.family.startswith("vocab-") or task.plain_answer
     behavior = record.malformed_actions == 0 and not record.finalized and record.answer is not None
+    if task.plain_answer:  # partial credit: the right value named in a sentence, or said alone
+        behavior = is_exact(task, record.answer)
     total_tokens = record.prompt_tokens + record.completion_tokens
     efficiency = max(0.0, 1.0 - total_tokens / (_TOKENS_PER_TURN * (task.turn_budget + 1)))
     vector = {

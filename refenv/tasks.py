@@ -13,7 +13,7 @@ from typing import Literal, cast
 
 from refenv.world import COUNTRIES, INVOICE_STATUSES, ORDER_STATUSES, PRODUCT_CATEGORIES, SEGMENTS
 
-AnswerKind = Literal["int", "money", "text", "list"]
+AnswerKind = Literal["int", "money", "text", "list", "choice"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,15 @@ class Task:
     target_table: str = ""
     target_column: str = ""
     turn_budget: int = 4
+    # One turn, answered in plain words (no JSON action, no query): the prompt holds what the answer
+    # needs. The learning suite's tasks.
+    plain_answer: bool = False
+    # "choice" tasks: the closed set the answer is one of; an answer passes when it names the expected
+    # value and no other of the set.
+    choices: tuple[str, ...] = ()
+    # `--split auto:F` sends each instance (slug) to a side, not the whole family: held-out instances
+    # of a family trained on (the learning suite's families of many instances).
+    split_by_instance: bool = False
     expected: object = field(default=None, compare=False)
 
     def public(self) -> dict:
@@ -274,14 +283,18 @@ def build_suite(conn: sqlite3.Connection) -> list[Task]:
     tasks: list[Task] = []
     for index, row in enumerate(_templates(), start=1):
         slug = _slugify(row["prompt"])[:60].rstrip("-")
-        task = Task(task_id=f"t{index:03d}", slug=f"{slug}-{index:03d}", **row)
-        expected: object
-        if task.writes:
-            expected = _expected_after_write(conn, task)
-        else:
-            expected = normalize_expected(task, conn.execute(task.oracle).fetchall())
-        tasks.append(dataclasses.replace(task, expected=expected))
+        tasks.append(finish_task(conn, Task(task_id=f"t{index:03d}", slug=f"{slug}-{index:03d}", **row)))
     return tasks
+
+
+def finish_task(conn: sqlite3.Connection, task: Task) -> Task:
+    """The task with its expected answer, computed by its oracle on the pristine database."""
+    expected: object
+    if task.writes:
+        expected = _expected_after_write(conn, task)
+    else:
+        expected = normalize_expected(task, conn.execute(task.oracle).fetchall())
+    return dataclasses.replace(task, expected=expected)
 
 
 def _expected_after_write(conn: sqlite3.Connection, task: Task) -> dict[int, tuple]:
@@ -292,6 +305,13 @@ def _expected_after_write(conn: sqlite3.Connection, task: Task) -> dict[int, tup
     rows = scratch.execute(f"SELECT * FROM {task.target_table} ORDER BY id").fetchall()
     scratch.close()
     return {r[0]: r for r in rows}
+
+
+def is_exact(task: Task, answer: str | None) -> bool:
+    """The answer is the expected value alone (quotes and a final period aside)."""
+    if answer is None:
+        return False
+    return answer.strip().rstrip(".").strip().strip("\"'`").strip().lower() == str(task.expected).lower()
 
 
 def normalize_expected(task: Task, rows: list[tuple]) -> object:
@@ -319,6 +339,9 @@ def answer_matches(task: Task, answer: str | None) -> bool:
             return False
         value = float(numbers[0].replace(",", ""))
         return abs(value - float(cast(float, task.expected))) <= 0.01 + 1e-9
+    if task.answer_kind == "choice":
+        named = {c.lower() for c in task.choices if re.search(rf"\b{re.escape(c)}\b", text, re.IGNORECASE)}
+        return named == {str(task.expected).lower()}
     if task.answer_kind == "list":
         got = [p.strip().strip("\"'").lower() for p in re.split(r"[,\n;]", text) if p.strip()]
         return got == [e.lower() for e in cast(list[str], task.expected)]
@@ -338,12 +361,14 @@ class Split:
         if self.spec.startswith("auto:"):
             fraction = float(self.spec.removeprefix("auto:"))
 
-            # Whole families go to one side: a template seen in training never grades eval.
-            def side_of(family: str) -> str:
-                bucket = int(hashlib.sha256(family.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+            # Whole families go to one side: a template seen in training never grades eval. A family of
+            # many instances (split_by_instance) is split by instance: unseen instances of it grade eval.
+            def side_of(task: Task) -> str:
+                key = task.slug if task.split_by_instance else task.family
+                bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
                 return "train" if bucket < fraction else "eval"
 
-            return [t for t in tasks if side_of(t.family) == (self.side or "train")]
+            return [t for t in tasks if side_of(t) == (self.side or "train")]
         sides = json.loads(Path(self.spec).read_text())
         wanted = set(sides.get(self.side or "train", []))
         return [t for t in tasks if t.task_id in wanted or t.slug in wanted or t.family in wanted]

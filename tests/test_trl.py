@@ -8,8 +8,10 @@ turn spans), vLLM's list of served adapters, the adapter files, and what TRL its
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -305,3 +307,48 @@ def test_a_resumed_run_serves_its_adapter_under_a_new_label(start_refenv, start_
         client.close()
         for name in set(served):
             httpx.post(f"{vllm_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.early  # minutes on 2 loaded cores: started late, the other workers would wait for it
+def test_the_example_trains_on_the_learning_family_with_groups_that_differ(
+    vllm_url, start_refenv, start_service, tmp_path, adapters_out
+):
+    """examples/trl_grpo.py, short and seeded (2 steps of 2 groups of 4, a held-out measurement before
+    the first step and after the last), on refenv's learning family against the real service. GRPO
+    learns only from groups whose rewards differ: the run fails unless some group of it has them (on
+    the public tasks, the example's old default, every group of the 135M model scored alike).
+    Oracles: the service's groups (the rewards refenv graded, each turn's policy_version), the versions
+    TRL's rollout served, and the files the example wrote."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import trl_grpo
+
+    suite = ["--suite", "learning", "--family", trl_grpo.DEFAULT_FAMILY, "--split", "auto:0.8"]
+    train = start_refenv("--pool", "8", *suite, "--side", "train")
+    evals = start_refenv("--pool", "8", *suite, "--side", "eval")
+    service = start_service([train.url, evals.url])
+    args = trl_grpo.parser().parse_args(
+        ["--out", str(tmp_path), "--steps", "2", "--generations", "4", "--tasks-per-step", "2"]
+        + ["--eval-every", "2", "--eval-limit", "3", "--eval-n", "2", "--seed", "5"]
+    )
+    records = trl_grpo.train(service.url, args)
+
+    steps = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2], records
+    assert all(r["groups"] == 2 and r["attempts"] == 8 for r in steps), steps
+    assert sum(r["groups_with_spread"] for r in steps) > 0, f"no group's rewards differed: {steps}"
+
+    # Held-out measurements before the first step and after the last, each on the adapter served at
+    # that step (the one TRL's next rollout used), on eval-side instances only.
+    measured = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in measured] == [0, 2], measured
+    assert all(r["versions"] == [r["version"]] and r["tasks"] == 3 and r["attempts"] == 6 for r in measured)
+    first, second = (r["versions"] for r in steps)
+    assert first == [measured[0]["version"]] and len(second) == 1 and measured[1]["version"] not in first + second
+    served_eval = {t["task_id"] for t in httpx.get(f"{evals.url}/tasks", timeout=10).json()["tasks"]}
+    assert set(trl_grpo.task_dataset(RolloutClient(service.url), side="eval")["prompt"]) == served_eval
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in lines if r["kind"] in ("train", "eval")] == records
+    assert any(r["kind"] == "trl" and "loss" in r for r in lines)
+    assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
