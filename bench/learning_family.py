@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         notes = (
             "SmolLM2-135M-Instruct (the embedded model) on the learning suite's training side; temperature 1.0, "
-            f"no grammar constraint, token prompts, at most 2 model calls of {args.max_tokens} tokens. Pass: "
-            "refenv's oracle; reward: refenv's rl profile (0.7 right answer + 0.2 method + 0.1 well-formed action)."
+            f"no grammar constraint, token prompts, one model call of at most {args.max_tokens} tokens per attempt. "
+            "Pass: refenv's oracle (the answer names the expected value and no other of the family's set); "
+            "reward: refenv's rl profile (0.7 right answer + 0.2 method + 0.1 the value alone)."
         )
         record.write(record.make("learning-family", "Base model on the learning suite's families", rows, notes=notes),
                      args.out)  # fmt: skip

@@ -45,8 +45,8 @@ class TaskSuite(BaseModel):
     scale: int = Field(1, ge=1, description="data size multiplier")
     split: Annotated[str | None, Flag(metavar="auto:F|FILE")] = Field(
         None,
-        description='auto:F (by family, deterministic) or a JSON file {"train": [...], "eval": [...]} '
-        "of task ids, slugs or families",
+        description="auto:F (by family, in the learning suite by instance; deterministic) or a JSON file "
+        '{"train": [...], "eval": [...]} of task ids, slugs or families',
     )
     side: Literal["train", "eval"] | None = Field(None, description="which side of --split to serve")
     family: Annotated[str | None, Flag(metavar="NAME[,NAME...]")] = Field(
