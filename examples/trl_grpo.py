@@ -156,6 +156,7 @@ class Progress:
     # TrainerCallback's hooks (only those used: TRL calls each on every callback it holds)
     def on_train_begin(self, args, state, control, **_: Any):
         self.evaluate(0)
+        self.started = time.monotonic()
 
     def on_step_end(self, args, state, control, **_: Any):
         batch = self.client.batches[-1] if self.client.batches else []

@@ -43,24 +43,21 @@ _NAMES = (
 Template = tuple[str, str, str, tuple[str, ...]]
 
 
+def _stated(fact: str, question: str, value: str, choices: tuple[str, ...]) -> Template:
+    """A value the prompt states, asked back: one of `choices`."""
+    return f"{fact} {question}", f"SELECT '{value}'", "choice", choices
+
+
 def _order_status(rng: random.Random) -> Template:
     order, status = rng.randint(100, 999), rng.choice(ORDER_STATUSES)
-    return (
-        f"Order {order} has status '{status}'. What is the status of order {order}?",
-        f"SELECT '{status}'",
-        "choice",
-        ORDER_STATUSES,
+    return _stated(
+        f"Order {order} has status '{status}'.", f"What is the status of order {order}?", status, ORDER_STATUSES
     )
 
 
 def _country(rng: random.Random) -> Template:
     name, country = rng.choice(_NAMES), rng.choice(COUNTRIES)
-    return (
-        f"Customer {name} lives in {country}. Which country does {name} live in?",
-        f"SELECT '{country}'",
-        "choice",
-        COUNTRIES,
-    )
+    return _stated(f"Customer {name} lives in {country}.", f"Which country does {name} live in?", country, COUNTRIES)
 
 
 def _add(rng: random.Random) -> Template:
