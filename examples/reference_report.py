@@ -132,7 +132,12 @@ def _apart(a: list[float] | None, b: list[float] | None) -> bool | None:
     return a[0] > b[1] or b[0] > a[1]
 
 
-_STAGE_NAMES = {"base": "base model", "distil": "after distillation", "rs": "after rejection sampling"}
+_STAGE_NAMES = {
+    "base": "base model",
+    "distil": "after distillation",
+    "rs": "after rejection sampling",
+    "family": "before GRPO, on the --grpo-family held-out instances (as every later row)",
+}
 
 
 def eval_rows(records: list[dict]) -> list[dict]:

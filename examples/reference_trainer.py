@@ -601,7 +601,7 @@ class Run:
         self.updates = [self.client.policy().version]
         if s.grpo_family:  # from here on the measurements are of the family's held-out instances
             self.eval_url = self.stack.family_url("eval")
-            self.measure("grpo 0")
+            self.measure("family")
         stream: StreamState | None = None
         try:
             for k, mode in enumerate(self.grpo_modes()):
