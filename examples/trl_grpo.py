@@ -241,6 +241,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     train = [r for r in records if r["kind"] == "train" and r["reward_mean"] is not None]
     evals = [r for r in records if r["kind"] == "eval" and r["reward_mean"] is not None]
@@ -270,6 +271,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
             label="held-out reward, 95 % interval",
         )
     ax.set_xlabel("GRPO step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("reward (refenv, rl profile)")
     ax.set_ylim(0, 1.05)
     ax.set_title(title)
