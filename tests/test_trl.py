@@ -24,24 +24,11 @@ from rollout_service.trainer import RolloutClient
 from rollout_service.trainer.trl import env_reward, service_rollout, task_dataset, trl_rows, use_service_logprobs
 
 pytest.importorskip("trl")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import trl_grpo
+from trl_grpo import StepClient as RecordingClient
 
 MODEL = embedded_model.MODEL_NAME
-
-
-class RecordingClient(RolloutClient):
-    """The real client; it also keeps each batch's groups in request order, as the service sent them."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
-        self.batches: list[list[GroupResult | None]] = []
-
-    def groups(self, requests):
-        requests = list(requests)
-        batch: list[GroupResult | None] = [None] * len(requests)
-        self.batches.append(batch)
-        for item in super().groups(requests):
-            batch[item.index] = item.group
-            yield item
 
 
 def variety(completion_ids: list[list[int]], env_reward: list[float | None], **_: Any) -> list[float | None]:
@@ -320,9 +307,6 @@ def test_the_example_trains_on_the_learning_family_with_groups_that_differ(
     the public tasks, the example's old default, every group of the 135M model scored alike).
     Oracles: the service's groups (the rewards refenv graded, each turn's policy_version), the versions
     TRL's rollout served, and the files the example wrote."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    import trl_grpo
-
     suite = ["--suite", "learning", "--family", trl_grpo.DEFAULT_FAMILY, "--split", "auto:0.8"]
     train = start_refenv("--pool", "8", *suite, "--side", "train")
     evals = start_refenv("--pool", "8", *suite, "--side", "eval")
