@@ -26,6 +26,7 @@ from ...listening import abort_connection
 if TYPE_CHECKING:
     from .admission import Admission
     from .group_json import GroupOutcome
+    from .window import AnswerWindow
 
 log = logging.getLogger("rollout_service.stream")
 
@@ -167,8 +168,9 @@ class BatchLines:
         tasks: list[asyncio.Task[GroupOutcome]],
         sizes: list[int],
         held: HeldResults,
+        window: AnswerWindow,
     ) -> None:
-        self.request, self.admission, self.sizes, self.held = request, admission, sizes, held
+        self.request, self.admission, self.sizes, self.held, self.window = request, admission, sizes, held, window
         self.pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
 
     async def lines(self) -> AsyncIterator[bytes]:
@@ -189,9 +191,9 @@ class BatchLines:
                     else:  # ~1 MB for 8 exact attempts: copied once here
                         line = b'{"index": %d, "group": %b}' % (index, task.result().body)
                         sent = sizes[index]
-                    del task
                     yield line + b"\n"
                     held.release(sent)
+                    self.window.leave(task)
         finally:
             watcher.cancel()
             self.abandon()
@@ -210,10 +212,12 @@ def batch_answer(
     tasks: list[asyncio.Task[GroupOutcome]],
     sizes: list[int],
     held: HeldResults,
+    window: AnswerWindow,
     stall_timeout_s: float,
 ) -> BoundedStream:
-    """POST /groups/batch's answer over its started groups (`sizes`: their attempts, held in `held`)."""
-    batch = BatchLines(request, admission, tasks, sizes, held)
+    """POST /groups/batch's answer over its started groups (`sizes`: their attempts, held in `held`;
+    `window`: how many may run ahead of the reader)."""
+    batch = BatchLines(request, admission, tasks, sizes, held, window)
     del tasks  # from here on the answer holds a group only until its line is sent
     return BoundedStream(batch.lines(), stall_timeout_s, "POST /groups/batch", on_end=batch.abandon)
 
