@@ -166,7 +166,7 @@ class ServiceConfig(BaseModel):
         "or a sample's connection is reset (what was buffered for it dropped)",
     )
     answer_window: Annotated[int, Flag(metavar="GROUPS")] = Field(
-        64,
+        16,
         ge=1,
         description="a POST /groups/batch answer starts a group only while fewer than this many of its groups are "
         "started and not yet written to its reader (raised, for a batch, to what fills the pools of the envs "

@@ -30,7 +30,7 @@ class AdmissionLimits:
     max_n: int
     max_batch: int
     max_queued_attempts: int
-    answer_window: int = 64
+    answer_window: int = 16
 
 
 class Admission:

@@ -26,6 +26,7 @@ from ..errors import Conflict, Invalid, NotFound, RequestRefused
 from ..groups.admission import Admission
 from ..groups.group_json import GroupOutcome
 from ..groups.streaming import HeldResults
+from ..groups.window import worlds_serving
 from ..membership.envs import EnvRegistry
 from ..policy.manager import PolicyManager
 from ..policy.versions import PolicyVersion
@@ -197,14 +198,7 @@ def draw_buckets(rooms: SamplerRooms, draw: TaskDraw, template: dict) -> list[tu
 
 def pools_drawn_on(registry: EnvRegistry, buckets: list[tuple[float, list[str]]], allow_eval: bool) -> int:
     """Worlds of the envs that serve the drawn tasks (an env counted once)."""
-    envs = {}
-    for _, ids in buckets:
-        for task_id in ids:
-            target = registry.targets.get(task_id)
-            for env in target.envs if target is not None else ():
-                if (allow_eval or env.contract.side != "eval") and not env.slots.draining:
-                    envs[env.url] = env.slots.pool
-    return sum(envs.values())
+    return worlds_serving(registry, [task_id for _, ids in buckets for task_id in ids], allow_eval)
 
 
 class Sampler:
