@@ -27,6 +27,12 @@ from rollout_service.server.sampler.sampler import Finished
 TASKS = {"task_ids": ["t001", "t002", "t003", "t004", "t005", "t006"]}
 
 
+def open_stream(service: str, body: dict) -> dict:
+    created = httpx.post(f"{service}/samplers", json=body, timeout=30)
+    assert created.status_code == 201, created.text
+    return created.json()
+
+
 def stream_state(service: str, stream: str) -> dict:
     return httpx.get(f"{service}/samplers/{stream}", timeout=10).json()
 
@@ -51,10 +57,9 @@ def test_a_paced_stream_starts_only_what_max_staleness_allows_and_drops_nothing_
         "tasks": TASKS,
         "group": {"n": 2, "retries": 0, "sampling": {"max_tokens": 8}},
     }
-    created = httpx.post(f"{service}/samplers", json=body, timeout=30)
-    assert created.status_code == 201, created.text
-    stream = created.json()["id"]
-    assert created.json()["paced_ahead"] == 2, created.json()
+    created = open_stream(service, body)
+    stream = created["id"]
+    assert created["paced_ahead"] == 2, created
 
     def settled(handed: int) -> None:
         # The stream fills up to its paced bound (2 groups) and starts nothing past it.
@@ -149,9 +154,7 @@ def test_every_pull_audits_kept_dropped_and_cancelled_groups(
         "tasks": TASKS,
         "group": {"n": 2, "retries": 0, "sampling": {"max_tokens": 8}},
     }
-    created = httpx.post(f"{service}/samplers", json=body, timeout=30)
-    assert created.status_code == 201, created.text
-    stream = created.json()["id"]
+    stream = open_stream(service, body)["id"]
     assert wait_until(lambda: stream_state(service, stream)["buffered"] == 4, timeout_s=60)
     post_policy(service, version="v1", lora={"path": adapter(tmp_path, "v1")}).raise_for_status()
     lines, dropped, summary = pull(service, stream, 2, timeout=120)
@@ -184,3 +187,38 @@ def test_every_pull_audits_kept_dropped_and_cancelled_groups(
     assert 0 < cancelled["wall_s"]["p90"] < 60, cancelled
     assert wait_until(lambda: env_health(env.url)["leased"] == 0, timeout_s=30)
     assert env_health(env.url)["episodes"]["abandoned"] == 8
+
+
+def test_a_pull_waits_for_an_older_group_that_would_go_stale_rather_than_hand_out_a_younger_one(
+    start_refenv, start_service, start_scripted_model, tmp_path
+):
+    """max_staleness 1, one group a step. The model's first answer takes 8 s: the first group started
+    (under base) is still running when the first pull hands out the second, fast one, and when the
+    update lands and the next pull begins. That pull starts a third group (under v1), which finishes at
+    once, but the old group would be 2 updates behind at the pull after this one: the pull waits for
+    it and hands it out (lag 1), oldest first. After one more update and pull, nothing was dropped.
+    Break tried: `_kept_for_older` returning False (the younger buffered group takes the place) ->
+    the second pull hands out the v1 group, and the old one is dropped as stale at the third pull."""
+    model = start_scripted_model("answer", "--first-delay", "8")
+    env = start_refenv("--pool", "4")
+    service = start_service([env.url], vllm=model.url, model="scripted").url
+    body = {
+        "buffer": 8,
+        "max_staleness": 1,
+        "step_groups": 1,
+        "filter": "none",
+        "tasks": TASKS,
+        "group": {"n": 1, "retries": 0, "sampling": {"max_tokens": 8}},
+    }
+    stream = open_stream(service, body)["id"]
+    first, _, _ = pull(service, stream, 1, timeout=60)
+    assert [line["lag"] for line in first] == [0]
+    assert stream_state(service, stream)["running"] == 1  # the slow one, under base
+    post_policy(service, version="v1", lora={"path": adapter(tmp_path, "v1")}).raise_for_status()
+    second, dropped, _ = pull(service, stream, 1, timeout=60)
+    assert dropped == [] and [line["lag"] for line in second] == [1], second
+    assert second[0]["group"]["oldest_policy_version"] == "base"
+    post_policy(service, version="v2", lora={"path": adapter(tmp_path, "v2")}).raise_for_status()
+    third, dropped, summary = pull(service, stream, 1, timeout=60)
+    assert dropped == [] and summary["stream"]["dropped"] == {}, summary
+    assert [line["group"]["oldest_policy_version"] for line in third] == ["v1"]

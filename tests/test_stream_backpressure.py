@@ -26,6 +26,20 @@ def _tcp_state(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
 
 
+def _send_unread_batch(service: str, groups: list[dict]) -> socket.socket:
+    """A raw socket with a small receive buffer that has sent POST /groups/batch and will read nothing."""
+    payload = json.dumps({"groups": groups}).encode()
+    host, port = service.removeprefix("http://").split(":")
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect((host, int(port)))
+    reader.sendall(
+        b"POST /groups/batch HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
+    )
+    return reader
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the socket's state with Linux's TCP_INFO")
 @pytest.mark.env_may_wait
 def test_an_unread_batch_is_cut_its_connection_closed_and_its_groups_cancelled(
@@ -41,16 +55,8 @@ def test_an_unread_batch_is_cut_its_connection_closed_and_its_groups_cancelled(
     groups = [
         {"task_id": "t001", "n": 8, "max_turns": 12, "retries": 0, "sampling": {"temperature": 0.8, "max_tokens": 16}}
     ] * 40
-    payload = json.dumps({"groups": groups}).encode()
-    host, port = service.url.removeprefix("http://").split(":")
-    reader = socket.socket()
-    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    reader.connect((host, int(port)))
+    reader = _send_unread_batch(service.url, groups)
     try:
-        reader.sendall(
-            b"POST /groups/batch HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
-        )
         assert _tcp_state(reader) == ESTABLISHED
         assert wait_until(lambda: _tcp_state(reader) != ESTABLISHED, timeout_s=120), "the service closed the connection"
         queued = {}
@@ -92,16 +98,8 @@ def test_a_batch_nobody_reads_starts_no_more_groups_than_its_window_and_the_sock
     )
     n, total = 8, 200
     group = {"task_id": "t001", "n": n, "max_turns": 12, "retries": 0, "sampling": {"max_tokens": 16}}
-    payload = json.dumps({"groups": [group] * total}).encode()
-    host, port = service.url.removeprefix("http://").split(":")
-    reader = socket.socket()
-    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    reader.connect((host, int(port)))
+    reader = _send_unread_batch(service.url, [group] * total)
     try:
-        reader.sendall(
-            b"POST /groups/batch HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
-        )
         seen: dict = {"started": -1}
 
         def stuck() -> bool:

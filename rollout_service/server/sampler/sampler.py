@@ -224,7 +224,8 @@ class Sampler:
         pool = pools_drawn_on(rooms.envs, buckets, allow_eval)
         self.at_once = settings.groups_at_once or max(1, math.ceil(pool / self.n) + 1)
         self.running: dict[asyncio.Task[GroupOutcome], str] = {}
-        self.began: dict[asyncio.Future, tuple[int, float]] = {}  # a running group's start order and time
+        # A running group's start order, time, and the policy version current when it started.
+        self.began: dict[asyncio.Future, tuple[int, float, str]] = {}
         self.cancelled_walls: list[float] = []  # seconds each group cancelled by close() had run
         self.started = 0
         self.tally = Tally()
@@ -279,7 +280,7 @@ class Sampler:
                 return
             self.held.hold_when_done(task, request.n)
             self.running[task] = task_id
-            self.began[task] = (self.started, time.monotonic())
+            self.began[task] = (self.started, time.monotonic(), self.rooms.versions.current.label)
             self.started += 1
 
     def _skipped(self, task_id: str) -> bool:
@@ -294,6 +295,10 @@ class Sampler:
             counts = ", ".join(f"{len(ids)} {why}" for why, ids in sorted(self.tally.skipped.items()))
             return f"no task left to draw: every one was skipped ({counts})"
         return "no task left to draw"
+
+    def running_behind(self, updates: int) -> int:
+        """Running groups started `updates` or more policy updates ago."""
+        return sum(self.rooms.versions.behind(label) >= updates for _, _, label in self.began.values())
 
     def wake(self) -> None:
         """The caller has room again."""
@@ -329,7 +334,7 @@ class Sampler:
                     return self._outcome(task, self.running.pop(task))
 
     def _outcome(self, task: asyncio.Task[GroupOutcome], task_id: str) -> Finished:
-        seq, _ = self.began.pop(task, (0, 0.0))
+        seq = self.began.pop(task, (0, 0.0, ""))[0]
         finished = self._judge(task, task_id)
         finished.seq = seq
         return finished
@@ -402,7 +407,7 @@ class Sampler:
         self.stopped = self.stopped or "closed"
         running: dict[asyncio.Future, int] = {task: self.n for task in self.running}
         now = time.monotonic()
-        self.cancelled_walls = [now - self.began.get(task, (0, now))[1] for task in running]
+        self.cancelled_walls = [now - self.began.get(task, (0, now, ""))[1] for task in running]
         self.running.clear()
         self.began.clear()
         self.rooms.admission.cancel_in_background(running)

@@ -187,6 +187,15 @@ class SamplerStream:
         self.audit.add("dropped", shape)
         self._tell(lost)
 
+    def _kept_for_older(self, due: int) -> bool:
+        """Whether this pull's `due` places wait for groups still running that started max_staleness updates
+        ago (paced streams): handed out after the next update they would be stale, so a younger buffered
+        group (one that is not at the bound itself) does not take their place."""
+        bound = self.pacing.max_staleness
+        if bound is None or self.lag_of(max(self.buffer, key=self.lag_of)) >= bound:
+            return False
+        return self.sampler.running_behind(bound) >= due
+
     @property
     def pulling(self) -> bool:
         return self._pull is not None
@@ -232,7 +241,7 @@ class SamplerStream:
                             self._line_lost()
                 if len(lags) >= count or stopped is not None:
                     break
-                if self.buffer:
+                if self.buffer and not self._kept_for_older(count - len(lags)):
                     item = take_oldest(self.buffer, self.lag_of)
                     self.pacing.pull_left = max(0, self.pacing.pull_left - 1)
                     self.sampler.wake()
