@@ -217,7 +217,6 @@ class SamplerStream:
         if self._pull is mark:
             self._pull = None
             self.last_used = time.monotonic()
-            self.pacing.pull_left = 0
 
     async def pull(self, count: int, timeout_s: float, end: Callable[[], None]) -> AsyncIterator[bytes]:
         """NDJSON: `count` groups ({"lag", "group"}), the dropped groups' lines as they come, then the
@@ -303,6 +302,7 @@ class SamplerStream:
                 )
             )
         finally:
+            self.pacing.pull_left = 0
             end()
 
     def state(self) -> StreamState:
