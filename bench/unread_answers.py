@@ -97,7 +97,7 @@ def main() -> int:
             reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             reader.connect(("127.0.0.1", service.port))
             reader.sendall(
-                b"POST /groups/batch HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                b"POST /groups/batch HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
             )
             readers.append(reader)
