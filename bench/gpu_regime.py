@@ -76,6 +76,7 @@ class Config:
     sim_flags: list[str] = field(default_factory=list)
     service_flags: list[str] = field(default_factory=list)
     group_extra: dict[str, Any] = field(default_factory=dict)
+    stream_extra: dict[str, Any] = field(default_factory=dict)  # POST /samplers fields (max_staleness, pacing)
     env_flags: list[str] = field(default_factory=list)
     model: str = MODEL
     servers: list[str] | None = None  # model servers already running (a real vLLM): no sims started
@@ -132,8 +133,10 @@ class GroupDone:
     latency_s: float  # simulated
     tokens: int
     turns: int
-    passes: list[bool]
+    passes: list[bool]  # of the graded attempts
     ended: float  # wall
+    attempts: int = 0
+    graded: int = 0  # attempts that carry a reward (min_graded cuts the others)
 
 
 class Tally:
@@ -179,7 +182,7 @@ async def _direct_group(
     eps = await asyncio.gather(*(_episode(http, stack.env, sims[i % len(sims)], task, cfg) for i in range(cfg.n)))
     start, end = min(e[0] for e in eps), max(e[1] for e in eps)
     return GroupDone(task, (end - start) * cfg.time_scale, sum(e[2] for e in eps), sum(e[3] for e in eps),
-                     [e[4] for e in eps], end)  # fmt: skip
+                     [e[4] for e in eps], end, cfg.n, cfg.n)  # fmt: skip
 
 
 async def drive_naive(stack: Stack, cfg: Config, tally: Tally, stop: float) -> None:
@@ -229,8 +232,10 @@ def _from_result(g: dict, cfg: Config) -> GroupDone:
     first = min(a["timings"]["queued_s"] for a in attempts)
     last = max(a["timings"]["total_s"] for a in attempts)
     turns = sum((a.get("score") or {}).get("actor_turns", 0) for a in attempts)
+    graded = [a for a in attempts if a["status"] in ("scored", "policy_failure")]
     return GroupDone(g["task_id"], (last - first) * cfg.time_scale, g["completion_tokens"], turns,
-                     [bool(a.get("pass")) for a in attempts], time.monotonic())  # fmt: skip
+                     [bool(a.get("pass")) for a in graded], time.monotonic(), len(attempts),
+                     g["counts"]["rewarded"])  # fmt: skip
 
 
 async def _ndjson(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
@@ -264,7 +269,7 @@ async def drive_stream(stack: Stack, cfg: Config, tally: Tally, stop: float) -> 
     template = _group_body("x", cfg)
     del template["task_id"]  # the sampler draws it
     body = {"group": template, "buffer": 2 * per_step, "max_staleness": 1, "filter": "none",
-            "tasks": {"task_ids": [t for t, _ in task_ids()]}}  # fmt: skip
+            "tasks": {"task_ids": [t for t, _ in task_ids()]}, **cfg.stream_extra}  # fmt: skip
     async with _session() as http:
         async with http.post(f"{stack.service}/samplers", json=body) as r:
             state = await r.json()
@@ -294,7 +299,7 @@ async def drive_stream(stack: Stack, cfg: Config, tally: Tally, stop: float) -> 
             tally.steps.append(time.monotonic())
         async with http.get(f"{stack.service}/samplers/{stream}") as r:
             state = await r.json()
-        shown = ("dropped", "handed_out", "groups_run", "lag_histogram")
+        shown = ("dropped", "handed_out", "groups_run", "lag_histogram", "max_staleness", "pacing", "audit")
         tally.notes.append("stream state: " + json.dumps({k: v for k, v in state.items() if k in shown}))
 
 
@@ -325,8 +330,9 @@ def _side(groups: list[GroupDone]) -> dict:
         "groups": len(groups),
         "long share": round(sum(family_of(g.task_id) == "long" for g in groups) / len(groups), 3),
         "tokens/group": round(statistics.mean(g.tokens for g in groups)),
-        "turns/attempt": round(statistics.mean(g.turns for g in groups) / len(groups[0].passes), 2),
-        "pass rate": round(sum(passes) / len(passes), 3),
+        "turns/attempt": round(statistics.mean(g.turns / max(1, g.attempts) for g in groups), 2),
+        "pass rate": round(sum(passes) / len(passes), 3) if passes else None,
+        "graded/group": round(statistics.mean(g.graded for g in groups), 2),
     }
 
 
@@ -387,8 +393,9 @@ async def run_one(cfg: Config, logs: Path) -> dict:
             "tokens/group": round(statistics.mean(d.get("completion_tokens", 0) for d in tally.dropped)),
             "pass rate": round(sum(dropped_passes) / len(dropped_passes), 3) if dropped_passes else None,
         }
-    if cfg.group_extra or cfg.service_flags:
-        row["switches"] = " ".join([*(f"{k}={v}" for k, v in cfg.group_extra.items()), *cfg.service_flags])
+    switches = {**cfg.group_extra, **(cfg.stream_extra if cfg.driver == "stream" else {})}
+    if switches or cfg.service_flags:
+        row["switches"] = " ".join([*(f"{k}={v}" for k, v in switches.items()), *cfg.service_flags])
     if tally.notes:
         row["notes"] = tally.notes
     return row
@@ -408,6 +415,8 @@ def main() -> None:
     parser.add_argument("--params", type=Path, help="the sims' engine (gpusim.py --params); default: H100 + 8B")
     parser.add_argument("--deadline-s", type=float, help="sent in each service group (group tail control)")
     parser.add_argument("--min-graded", type=int, help="sent in each service group (k of n)")
+    parser.add_argument("--max-staleness", type=int, help="the stream's (default 1; -1: unbounded)")
+    parser.add_argument("--no-pacing", action="store_true", help="the stream drops and replaces stale groups")
     parser.add_argument("--service-flag", action="append", default=[], help="a flag for rollout-service serve")
     parser.add_argument("--record", type=Path, help="write the rows as a record here")
     parser.add_argument("--label", default="", help="a word for this run in the record's title")
@@ -417,6 +426,11 @@ def main() -> None:
         extra["deadline_s"] = args.deadline_s
     if args.min_graded is not None:
         extra["min_graded"] = args.min_graded
+    stream: dict[str, Any] = {}
+    if args.max_staleness is not None:
+        stream["max_staleness"] = None if args.max_staleness < 0 else args.max_staleness
+    if args.no_pacing:
+        stream["pacing"] = False
     rows = []
     for pool in args.pools:
         for replicas in args.replicas:
@@ -424,7 +438,7 @@ def main() -> None:
                 cfg = Config(pool, replicas, driver, n=args.n, seconds=args.seconds, warmup=args.warmup,
                              time_scale=args.time_scale or 2560 / pool, train_s=args.train_s,
                              max_tokens=args.max_tokens, params=args.params,
-                             service_flags=args.service_flag, group_extra=extra)  # fmt: skip
+                             service_flags=args.service_flag, group_extra=extra, stream_extra=stream)  # fmt: skip
                 row = asyncio.run(run_one(cfg, LOGS))
                 print(json.dumps(row), flush=True)
                 rows.append(row)

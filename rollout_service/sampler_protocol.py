@@ -147,6 +147,19 @@ class StreamCreate(_SamplerSettings):
         description="policy updates a handed-out group's oldest turn may be behind the current version; a buffered "
         "group further behind is dropped (counted) and replaced. Default: unbounded",
     )
+    pacing: bool = Field(
+        True,
+        description="with max_staleness: start a group only while the groups running and buffered fit in what the "
+        "trainer takes in max_staleness steps (so none waits long enough to go stale), and hand out the oldest "
+        "first. false: keep `buffer` groups going and drop (and replace) those that went stale",
+    )
+    step_groups: WireIntOrNull = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="groups the trainer takes per policy update, for pacing. Default: the last pull's count "
+        "(before the first pull, `buffer` alone bounds the stream)",
+    )
     max_groups: WireIntOrNull = Field(None, ge=1, description="budget over the stream's life (default: none)")
     idle_timeout_s: WireFloat = Field(
         600,
@@ -185,6 +198,33 @@ class DroppedGroup(BaseModel):
     completion_tokens: int = 0
 
 
+class Spread(BaseModel):
+    """A distribution in three figures; p50 and p90 by nearest rank (the smallest value with at least that
+    share of the values at or below it)."""
+
+    mean: float
+    p50: float
+    p90: float
+
+
+class AuditPart(BaseModel):
+    groups: int = Field(description="groups of this kind over the stream's life")
+    completion_tokens: Spread | None = Field(None, description="completion tokens per attempt, per group")
+    turns: Spread | None = Field(None, description="turns per attempt, per group")
+    pass_rate: Spread | None = Field(None, description="the group's pass rate (groups with graded attempts)")
+    wall_s: Spread | None = Field(None, description="seconds the group ran (a cancelled one: until it was cancelled)")
+
+
+class BiasAudit(BaseModel):
+    """Kept against dropped and cancelled groups: if the dropped ones are the long or hard ones, training
+    sees a biased draw. Distributions over the last 10,000 groups of each kind; a cancelled group's
+    result never came, so only its count and time are known."""
+
+    kept: AuditPart
+    dropped: AuditPart
+    cancelled: AuditPart
+
+
 class StreamState(BaseModel):
     """A stream's state (GET /samplers/{id}, and each pull's summary): every count is over the
     stream's life."""
@@ -204,6 +244,13 @@ class StreamState(BaseModel):
     skipped_tasks: dict[str, list[str]]
     lag_histogram: dict[str, int] = Field(description="lag -> groups handed out")
     max_staleness: int | None = None
+    pacing: bool = True
+    paced_ahead: int | None = Field(
+        None,
+        description="with pacing: the groups that may be running and buffered now (the pull's groups still due "
+        "+ max_staleness x step_groups); null while unbounded",
+    )
+    audit: BiasAudit | None = Field(None, description="kept vs dropped vs cancelled groups' lengths, turns, pass rates")
     budget: int | None = None
     idle_timeout_s: float
     idle_s: float

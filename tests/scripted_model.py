@@ -29,6 +29,9 @@ Options:
                     sleep this long (instead of --delay) before answering a chat request with an odd seed:
                     a group with an even seed s and one turn per attempt has its odd attempts slow (a tail)
   --sql-turns K     turns of `sql-then-answer` that run a query before it answers
+  --first-delay SECONDS
+                    sleep this long (instead of --delay) before answering the first chat request it gets:
+                    one slow episode among fast ones, whichever comes first
   --listing-delay SECONDS
                     sleep this long before answering each GET /v1/models (default 0, counted on arrival):
                     a health probe that learns late what the server serves, so a request can reach a
@@ -125,6 +128,7 @@ def build(
     listing_delay: float = 0.0,
     load_delay: float = 0.0,
     odd_seed_delay: float | None = None,
+    first_delay: float | None = None,
 ) -> Starlette:
     adapters: dict[str, str] = {}  # loaded LoRA adapter name -> the path it was loaded from
     stats: dict = {
@@ -197,6 +201,8 @@ def build(
             )
         stats["events"].append(f"chat:{model}:{400 if script == 'overflow' else 200}")
         wait = delay if odd_seed_delay is None or int(body.get("seed") or 0) % 2 == 0 else odd_seed_delay
+        if first_delay is not None and stats["requests"] == 1:
+            wait = first_delay
         if wait:
             await asyncio.sleep(wait)
         turns_so_far = sum(1 for m in body["messages"] if m["role"] == "assistant")
@@ -258,6 +264,7 @@ def main() -> None:
     parser.add_argument("--listing-delay", type=float, default=0.0, help="seconds to sleep before each /v1/models")
     parser.add_argument("--load-delay", type=float, default=0.0, help="seconds to sleep in each adapter load")
     parser.add_argument("--odd-seed-delay", type=float, default=None, help="seconds to sleep for an odd seed")
+    parser.add_argument("--first-delay", type=float, default=None, help="seconds to sleep for the first chat request")
     args = parser.parse_args()
     app = build(
         args.script,
@@ -267,6 +274,7 @@ def main() -> None:
         listing_delay=args.listing_delay,
         load_delay=args.load_delay,
         odd_seed_delay=args.odd_seed_delay,
+        first_delay=args.first_delay,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     ReportingServer(config, Path(args.port_file) if args.port_file else None).run()

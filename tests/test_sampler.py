@@ -297,6 +297,7 @@ def test_no_handed_out_group_exceeds_max_staleness_across_updates(start_refenv, 
     body = {
         "buffer": 3,
         "max_staleness": 1,
+        "pacing": False,  # drop-and-replace: what this test checks is the hand-out bound behind pacing
         "filter": "none",
         "tasks": {"task_ids": ["t001", "t002", "t003", "t004"]},
         "group": {"n": 2, "max_turns": 2, "retries": 0, "sampling": {"temperature": 1.0, "max_tokens": 24}},

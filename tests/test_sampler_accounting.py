@@ -58,6 +58,7 @@ def test_a_stale_group_is_counted_once_with_its_cost_and_each_pull_says_its_own(
     body = {
         "buffer": 2,
         "max_staleness": 0,
+        "pacing": False,  # drop-and-replace: a stale group's accounting is what is tested
         "max_groups": 5,
         "filter": "none",
         "tasks": {"task_ids": ["t001", "t002", "t003", "t004"]},

@@ -11,6 +11,7 @@ to max_turns: some 150 kB a group), so the socket buffers fill in seconds.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import sys
 
@@ -23,6 +24,20 @@ ESTABLISHED = 1  # tcpi_state, the first byte of Linux's struct tcp_info
 
 def _tcp_state(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
+def _send_unread_batch(service: str, groups: list[dict]) -> socket.socket:
+    """A raw socket with a small receive buffer that has sent POST /groups/batch and will read nothing."""
+    payload = json.dumps({"groups": groups}).encode()
+    host, port = service.removeprefix("http://").split(":")
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect((host, int(port)))
+    reader.sendall(
+        b"POST /groups/batch HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
+    )
+    return reader
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the socket's state with Linux's TCP_INFO")
@@ -40,16 +55,8 @@ def test_an_unread_batch_is_cut_its_connection_closed_and_its_groups_cancelled(
     groups = [
         {"task_id": "t001", "n": 8, "max_turns": 12, "retries": 0, "sampling": {"temperature": 0.8, "max_tokens": 16}}
     ] * 40
-    payload = json.dumps({"groups": groups}).encode()
-    host, port = service.url.removeprefix("http://").split(":")
-    reader = socket.socket()
-    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    reader.connect((host, int(port)))
+    reader = _send_unread_batch(service.url, groups)
     try:
-        reader.sendall(
-            b"POST /groups/batch HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
-        )
         assert _tcp_state(reader) == ESTABLISHED
         assert wait_until(lambda: _tcp_state(reader) != ESTABLISHED, timeout_s=120), "the service closed the connection"
         queued = {}
@@ -69,3 +76,56 @@ def test_an_unread_batch_is_cut_its_connection_closed_and_its_groups_cancelled(
 
     assert wait_until(settled, timeout_s=30), health
     assert_env_accounted(health)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the kernel's TCP buffer bounds")
+@pytest.mark.env_may_wait
+def test_a_batch_nobody_reads_starts_no_more_groups_than_its_window_and_the_socket_hold(
+    start_refenv, start_service, start_scripted_model
+):
+    """200 groups in one batch, a window of 2, a reader that takes nothing (the stall timeout far off).
+    Once nothing runs any more (refenv: no live episode, no world leased, no episode started since the
+    last look), the groups started (refenv's episodes started / n) are at most the window plus the lines
+    the socket's buffers can hold: the reader's receive buffer, the kernel's largest send buffer
+    (tcp_wmem's max) and asyncio's write buffer, over the smallest line read afterwards, plus the line
+    being written. Oracles: refenv's counters, the kernel's own bounds, the lines themselves.
+    Break tried: the window not entered (every group of the batch starts at once, the old code) -> all
+    200 groups start (1,600 episodes) where at most ~40 may."""
+    model = start_scripted_model("sql-forever")
+    env = start_refenv("--pool", "4")
+    service = start_service(
+        [env.url], "--stream-stall-timeout", "600", "--answer-window", "2", vllm=model.url, model="scripted"
+    )
+    n, total = 8, 200
+    group = {"task_id": "t001", "n": n, "max_turns": 12, "retries": 0, "sampling": {"max_tokens": 16}}
+    reader = _send_unread_batch(service.url, [group] * total)
+    try:
+        seen: dict = {"started": -1}
+
+        def stuck() -> bool:
+            health = httpx.get(f"{env.url}/health", timeout=10).json()
+            before, seen["started"] = seen["started"], health["episodes"]["started"]
+            return health["live_episodes"] == 0 and health["leased"] == 0 and before == seen["started"] > 0
+
+        assert wait_until(stuck, timeout_s=300, every_s=1.0), seen
+        assert _tcp_state(reader) == ESTABLISHED
+        started = seen["started"]
+        assert started % n == 0, started
+        # The lines' size, from the answer itself (reading lets the batch go on: only a few are read).
+        reader.settimeout(60)
+        stream = reader.makefile("rb")
+        assert stream.readline().startswith(b"HTTP/1.1 200")
+        while stream.readline() not in (b"\r\n", b""):
+            pass
+        sizes = []
+        while len(sizes) < 3:
+            size = int(stream.readline().strip(), 16)  # chunked: each line is a chunk of its own
+            sizes.append(size)
+            stream.read(size + 2)
+    finally:
+        reader.close()
+    rcvbuf = 2 * 4096  # what the kernel gives for SO_RCVBUF 4096, at most
+    with open("/proc/sys/net/ipv4/tcp_wmem") as limits:
+        wmem_max = int(limits.read().split()[2])
+    socket_lines = math.ceil((rcvbuf + wmem_max + 65536) / min(sizes))
+    assert started // n <= 2 + socket_lines + 1 < total, (started // n, socket_lines, sizes)

@@ -165,6 +165,13 @@ class ServiceConfig(BaseModel):
         "nothing for this long is cut off: its queued and running groups are cancelled, worlds released; a batch's "
         "or a sample's connection is reset (what was buffered for it dropped)",
     )
+    answer_window: Annotated[int, Flag(metavar="GROUPS")] = Field(
+        16,
+        ge=1,
+        description="a POST /groups/batch answer starts a group only while fewer than this many of its groups are "
+        "started and not yet written to its reader (raised, for a batch, to what fills the pools of the envs "
+        "serving it): a reader that stops reading holds at most that many groups",
+    )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="request bodies over this get 413")
     max_answer_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
         DEFAULT_MAX_ANSWER_BYTES,

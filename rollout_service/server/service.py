@@ -74,7 +74,7 @@ class RolloutService:
         self.monitor = BackendMonitor(self.envs.envs, self.replicas.model_routes(), self.replicas.versions)
         self.run_log = RunLog(Path(config.runs_dir), self.run_id, config.max_run_log_queue) if config.runs_dir else None
         self.admission = Admission(
-            AdmissionLimits(config.max_n, config.max_batch, config.max_queued_attempts),
+            AdmissionLimits(config.max_n, config.max_batch, config.max_queued_attempts, config.answer_window),
             self.lifecycle,
             self.envs,
             self.replicas,

@@ -19,15 +19,18 @@ from ..task_sets import cancel_in_slices
 from .group_json import GroupOutcome
 from .run_log import RunLog
 from .runner import GroupRunner
+from .window import AnswerWindow, window_size, worlds_serving
 
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    """What one request and the service as a whole may hold (--max-n, --max-batch, --max-queued-attempts)."""
+    """What one request and the service as a whole may hold (--max-n, --max-batch, --max-queued-attempts),
+    and a batch's answer window at least (--answer-window)."""
 
     max_n: int
     max_batch: int
     max_queued_attempts: int
+    answer_window: int = 16
 
 
 class Admission:
@@ -134,29 +137,36 @@ class Admission:
             )
         return resolved
 
-    def start_batch(self, requests: list[GroupRequest]) -> list[asyncio.Task[GroupOutcome]]:
-        """A batch's groups (POST /groups/batch), at most --max-batch of them, started as one call."""
+    def start_batch(self, requests: list[GroupRequest]) -> tuple[list[asyncio.Task[GroupOutcome]], AnswerWindow]:
+        """A batch's groups (POST /groups/batch), at most --max-batch of them, admitted as one call; each
+        starts when the answer's window has room (its line written frees a place: `AnswerWindow.leave`)."""
         if len(requests) > self.limits.max_batch:
             raise Invalid(
                 "batch_too_large",
                 f"{len(requests)} groups is over this service's maximum of "
                 f"{self.limits.max_batch} per batch (--max-batch)",
             )
-        return self.start_groups(requests)
+        task_ids = [r.task_id or self.envs.by_slug.get(r.slug or "", "") for r in requests]
+        worlds = worlds_serving(self.envs, task_ids, any(r.allow_eval_side for r in requests))
+        window = AnswerWindow(window_size(self.limits.answer_window, worlds, min(r.n for r in requests)))
+        return self.start_groups(requests, window), window
 
     def count_held(self, attempts: int) -> None:
         """Attempts of finished groups that wait for their reader (`streaming.HeldResults`; negative
         when sent or dropped): they keep their room under --max-queued-attempts until then."""
         self.queued_attempts += attempts
 
-    def start_groups(self, requests: list[GroupRequest]) -> list[asyncio.Task[GroupOutcome]]:
+    def start_groups(
+        self, requests: list[GroupRequest], window: AnswerWindow | None = None
+    ) -> list[asyncio.Task[GroupOutcome]]:
         """Admit and start groups; each is a task the service can cancel at shutdown. One share per
-        call: concurrent calls get fair shares of the pools, earlier groups of one call go first."""
+        call: concurrent calls get fair shares of the pools, earlier groups of one call go first. With a
+        window, a group waits for its room before it runs (its attempts counted as queued meanwhile)."""
         resolved = self.admit(requests)
         share = object()
         tasks = []
         for request, (target, route) in zip(requests, resolved, strict=True):
-            task = asyncio.ensure_future(self._run(request, target, route, self.runner.next_sequence(), share))
+            task = asyncio.ensure_future(self._run(request, target, route, self.runner.next_sequence(), share, window))
             self.running.add(task)
             task.add_done_callback(self.running.discard)
             # Counted from admission (not from when the task first runs), so two requests admitted in
@@ -167,10 +177,18 @@ class Admission:
         return tasks
 
     async def _run(
-        self, request: GroupRequest, target: TaskTarget, route: ModelRoute, sequence: int, share: object
+        self,
+        request: GroupRequest,
+        target: TaskTarget,
+        route: ModelRoute,
+        sequence: int,
+        share: object,
+        window: AnswerWindow | None = None,
     ) -> GroupOutcome:
         """One group, typed and as the JSON every consumer outside gets: serialised once, recorded in
         the run log here (whether or not its trainer is still there to read it)."""
+        if window is not None:
+            await window.enter()
         self.metrics.groups_in_flight.inc()
         try:
             result = await self.runner.run_group(

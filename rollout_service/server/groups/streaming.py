@@ -27,6 +27,7 @@ from .group_json import group_line
 if TYPE_CHECKING:
     from .admission import Admission
     from .group_json import GroupOutcome
+    from .window import AnswerWindow
 
 log = logging.getLogger("rollout_service.stream")
 
@@ -168,8 +169,9 @@ class BatchLines:
         tasks: list[asyncio.Task[GroupOutcome]],
         sizes: list[int],
         held: HeldResults,
+        window: AnswerWindow,
     ) -> None:
-        self.request, self.admission, self.sizes, self.held = request, admission, sizes, held
+        self.request, self.admission, self.sizes, self.held, self.window = request, admission, sizes, held, window
         self.pending: dict[asyncio.Future, int] = {task: index for index, task in enumerate(tasks)}
 
     async def lines(self) -> AsyncIterator[bytes]:
@@ -190,9 +192,9 @@ class BatchLines:
                     else:  # ~1 MB for 8 exact attempts: copied once here
                         line = group_line(b'{"index": %d, "group": ' % index, task.result().body)
                         sent = sizes[index]
-                    del task
                     yield line
                     held.release(sent)
+                    self.window.leave(task)
         finally:
             watcher.cancel()
             self.abandon()
@@ -211,10 +213,12 @@ def batch_answer(
     tasks: list[asyncio.Task[GroupOutcome]],
     sizes: list[int],
     held: HeldResults,
+    window: AnswerWindow,
     stall_timeout_s: float,
 ) -> BoundedStream:
-    """POST /groups/batch's answer over its started groups (`sizes`: their attempts, held in `held`)."""
-    batch = BatchLines(request, admission, tasks, sizes, held)
+    """POST /groups/batch's answer over its started groups (`sizes`: their attempts, held in `held`;
+    `window`: how many may run ahead of the reader)."""
+    batch = BatchLines(request, admission, tasks, sizes, held, window)
     del tasks  # from here on the answer holds a group only until its line is sent
     return BoundedStream(batch.lines(), stall_timeout_s, "POST /groups/batch", on_end=batch.abandon)
 

@@ -45,12 +45,12 @@ async def post_group(body: GroupRequest, request: Request) -> Response:
 )
 async def post_batch(body: BatchRequest, request: Request) -> Response:
     service = service_of(request)
-    tasks = service.admission.start_batch(body.groups)
+    tasks, window = service.admission.start_batch(body.groups)
     sizes = [g.n for g in body.groups]
     held = HeldResults(service.admission)  # finished, unsent groups count against the queue cap (groups/streaming.py)
     for task, size in zip(tasks, sizes, strict=True):
         held.hold_when_done(task, size)
-    return batch_answer(request, service.admission, tasks, sizes, held, service.config.stream_stall_timeout)
+    return batch_answer(request, service.admission, tasks, sizes, held, window, service.config.stream_stall_timeout)
 
 
 @router.get("/tasks", openapi_extra=on_plane(Plane.DATA), summary="Tasks served by the envs")

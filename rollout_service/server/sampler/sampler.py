@@ -26,9 +26,11 @@ from ..errors import Conflict, Invalid, NotFound, RequestRefused
 from ..groups.admission import Admission
 from ..groups.group_json import GroupOutcome
 from ..groups.streaming import HeldResults
+from ..groups.window import worlds_serving
 from ..membership.envs import EnvRegistry
 from ..policy.manager import PolicyManager
 from ..policy.versions import PolicyVersion
+from .audit import Shape, shape_of
 from .task_stats import TaskStatsBook
 
 # Refusals after which the sampler stops: the service itself cannot run groups now.
@@ -49,6 +51,8 @@ class Finished:
     dropped: DroppedGroup | None = None
     oldest_version: str | None = None
     completion_tokens: int = 0  # what it cost: a kept group dropped later (stale) still counts it
+    seq: int = 0  # the order it was started in
+    shape: Shape | None = None  # its figures for the bias audit (None: no result came)
 
 
 @dataclass(frozen=True)
@@ -194,14 +198,7 @@ def draw_buckets(rooms: SamplerRooms, draw: TaskDraw, template: dict) -> list[tu
 
 def pools_drawn_on(registry: EnvRegistry, buckets: list[tuple[float, list[str]]], allow_eval: bool) -> int:
     """Worlds of the envs that serve the drawn tasks (an env counted once)."""
-    envs = {}
-    for _, ids in buckets:
-        for task_id in ids:
-            target = registry.targets.get(task_id)
-            for env in target.envs if target is not None else ():
-                if (allow_eval or env.contract.side != "eval") and not env.slots.draining:
-                    envs[env.url] = env.slots.pool
-    return sum(envs.values())
+    return worlds_serving(registry, [task_id for _, ids in buckets for task_id in ids], allow_eval)
 
 
 class Sampler:
@@ -227,6 +224,9 @@ class Sampler:
         pool = pools_drawn_on(rooms.envs, buckets, allow_eval)
         self.at_once = settings.groups_at_once or max(1, math.ceil(pool / self.n) + 1)
         self.running: dict[asyncio.Task[GroupOutcome], str] = {}
+        # A running group's start order, time, and the policy version current when it started.
+        self.began: dict[asyncio.Future, tuple[int, float, str]] = {}
+        self.cancelled_walls: list[float] = []  # seconds each group cancelled by close() had run
         self.started = 0
         self.tally = Tally()
         self.stopped: str | None = None
@@ -280,6 +280,7 @@ class Sampler:
                 return
             self.held.hold_when_done(task, request.n)
             self.running[task] = task_id
+            self.began[task] = (self.started, time.monotonic(), self.rooms.versions.current.label)
             self.started += 1
 
     def _skipped(self, task_id: str) -> bool:
@@ -294,6 +295,10 @@ class Sampler:
             counts = ", ".join(f"{len(ids)} {why}" for why, ids in sorted(self.tally.skipped.items()))
             return f"no task left to draw: every one was skipped ({counts})"
         return "no task left to draw"
+
+    def running_behind(self, updates: int) -> int:
+        """Running groups started `updates` or more policy updates ago."""
+        return sum(self.rooms.versions.behind(label) >= updates for _, _, label in self.began.values())
 
     def wake(self) -> None:
         """The caller has room again."""
@@ -329,6 +334,12 @@ class Sampler:
                     return self._outcome(task, self.running.pop(task))
 
     def _outcome(self, task: asyncio.Task[GroupOutcome], task_id: str) -> Finished:
+        seq = self.began.pop(task, (0, 0.0, ""))[0]
+        finished = self._judge(task, task_id)
+        finished.seq = seq
+        return finished
+
+    def _judge(self, task: asyncio.Task[GroupOutcome], task_id: str) -> Finished:
         if task.cancelled():
             # Only the service cancels a group of ours while we run: it is shutting down.
             self.stopped = "the service is shutting down: its groups were cancelled"
@@ -350,9 +361,16 @@ class Sampler:
             elif all(r == graded[0] for r in graded):
                 reason, detail = "no_signal", f"every graded reward is {graded[0]:g}"
         tokens = group.completion_tokens
+        shape = shape_of(group)
         if reason is None:
             return Finished(
-                task_id, group.n, group.group_id, body=outcome.body, oldest_version=oldest, completion_tokens=tokens
+                task_id,
+                group.n,
+                group.group_id,
+                body=outcome.body,
+                oldest_version=oldest,
+                completion_tokens=tokens,
+                shape=shape,
             )
         assert detail is not None
         self.held.release(group.n)
@@ -366,7 +384,7 @@ class Sampler:
             completion_tokens=tokens,
         )
         self.count_dropped(dropped)
-        return Finished(task_id, group.n, dropped=dropped, oldest_version=oldest, completion_tokens=tokens)
+        return Finished(task_id, group.n, dropped=dropped, oldest_version=oldest, completion_tokens=tokens, shape=shape)
 
     def _drop(self, task_id: str, attempts: int, reason: str, detail: str) -> Finished:
         if not self.stopped:  # a group cancelled by a shutdown did not run
@@ -388,7 +406,10 @@ class Sampler:
         """Cancel every group still running (their episodes are abandoned); how many there were."""
         self.stopped = self.stopped or "closed"
         running: dict[asyncio.Future, int] = {task: self.n for task in self.running}
+        now = time.monotonic()
+        self.cancelled_walls = [now - self.began.get(task, (0, now, ""))[1] for task in running]
         self.running.clear()
+        self.began.clear()
         self.rooms.admission.cancel_in_background(running)
         if self._pinned is not None:  # its groups still running hold their own pins until they end
             self.rooms.versions.unpin(self._pinned)

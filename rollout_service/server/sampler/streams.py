@@ -1,9 +1,12 @@
 """Sampler streams: generation while the trainer trains (POST /samplers, .../pull, DELETE).
 
 A stream keeps up to `buffer` groups buffered or running, so groups for step k+1 are generated
-while the trainer computes step k. Every buffered group is checked against `max_staleness` when it
-is handed out: one that fell further behind (policy updates landed while it waited) is dropped,
-counted, and replaced. Buffered groups count against --max-queued-attempts until handed out.
+while the trainer computes step k. With `max_staleness` it is paced (pacing.py): it starts a group
+only while what runs and waits fits in what the trainer takes before that group would go stale, and
+hands out the oldest first. Every buffered group is still checked against `max_staleness` when it is
+handed out: one that fell further behind (pacing off, or more updates than pulls) is dropped, counted,
+and replaced. Buffered groups count against --max-queued-attempts until handed out. Every state
+carries a bias audit (audit.py): kept groups beside dropped and cancelled ones.
 
 Streams live in the service's memory: after a restart, or once deleted or expired (no pull for
 `idle_timeout_s`), a pull is told so plainly (410 with the reason; 404 for an id this process never
@@ -30,8 +33,10 @@ from ..groups.streaming import HeldResults
 from ..lifecycle import Lifecycle
 from ..membership.envs import EnvRegistry
 from ..policy.manager import PolicyManager
+from .audit import Audit, Shape
 from .caps import StreamCaps
 from .metrics import SamplerMetrics
+from .pacing import Pacing, take_oldest
 from .sampler import DropCounts, Finished, Sampler, SamplerRooms
 from .task_stats import TaskStatsBook
 
@@ -99,12 +104,16 @@ class SamplerStream:
         self.last_used = time.monotonic()
         self._pull: object | None = None  # the pull in progress: its own mark, so only it ends itself
         self._changed = asyncio.Event()
+        self.audit = Audit()
+        self.pacing = Pacing(body.max_staleness if body.pacing else None, body.step_groups)
         self.sampler = Sampler(rooms, body, body.max_groups, self._room, self.held)
         self.sampler.check_first()
         self.producer = asyncio.ensure_future(self._produce())
 
     def _room(self) -> int:
-        return self.body.buffer - len(self.buffer) - len(self.sampler.running)
+        ahead = self.pacing.ahead()
+        bound = self.body.buffer if ahead is None else min(self.body.buffer, ahead)
+        return bound - len(self.buffer) - len(self.sampler.running)
 
     async def _produce(self) -> None:
         while True:
@@ -115,6 +124,7 @@ class SamplerStream:
                 self.buffer.append(item)
             else:
                 assert item.dropped is not None
+                self.audit.add("dropped", item.shape)
                 self._tell(item.dropped)
             self._changed.set()
         self._changed.set()
@@ -156,9 +166,10 @@ class SamplerStream:
             completion_tokens=item.completion_tokens,
         )
         self.sampler.count_dropped(stale)
+        self.audit.add("dropped", item.shape)
         return stale
 
-    def _undelivered(self, task_id: str, group_id: str | None, attempts: int, tokens: int) -> None:
+    def _undelivered(self, task_id: str, group_id: str | None, attempts: int, tokens: int, shape: Shape | None) -> None:
         """A group's line was being written when the pull was cut off (the reader went or stalled):
         whether any of it arrived is unknown, so it is not handed out again (a trainer must not get a
         group twice) but counted as dropped, told at the next pull, and its queue room given back."""
@@ -173,7 +184,17 @@ class SamplerStream:
             completion_tokens=tokens,
         )
         self.sampler.count_dropped(lost)
+        self.audit.add("dropped", shape)
         self._tell(lost)
+
+    def _kept_for_older(self, due: int) -> bool:
+        """Whether this pull's `due` places wait for groups still running that started max_staleness updates
+        ago (paced streams): handed out after the next update they would be stale, so a younger buffered
+        group (one that is not at the bound itself) does not take their place."""
+        bound = self.pacing.max_staleness
+        if bound is None or self.lag_of(max(self.buffer, key=self.lag_of)) >= bound:
+            return False
+        return self.sampler.running_behind(bound) >= due
 
     @property
     def pulling(self) -> bool:
@@ -203,6 +224,10 @@ class SamplerStream:
         deadline = time.monotonic() + timeout_s
         lags: list[int] = []
         stopped = None
+        # This pull's groups may start now; and the trainer's step is what it asks for, unless it said.
+        self.pacing.step = self.body.step_groups or count
+        self.pacing.pull_left = count
+        self.sampler.wake()
         try:
             while True:
                 while self.drops:
@@ -215,8 +240,9 @@ class SamplerStream:
                             self._line_lost()
                 if len(lags) >= count or stopped is not None:
                     break
-                if self.buffer:
-                    item = self.buffer.popleft()
+                if self.buffer and not self._kept_for_older(count - len(lags)):
+                    item = take_oldest(self.buffer, self.lag_of)
+                    self.pacing.pull_left = max(0, self.pacing.pull_left - 1)
                     self.sampler.wake()
                     lag = self.lag_of(item)
                     bound = self.body.max_staleness
@@ -226,7 +252,7 @@ class SamplerStream:
                     assert item.body is not None
                     line = group_line(b'{"lag": %d, "group": ' % lag, item.body)
                     task_id, group_id, attempts = item.task_id, item.group_id, item.attempts
-                    tokens = item.completion_tokens
+                    tokens, shape = item.completion_tokens, item.shape
                     del item
                     written = False
                     try:
@@ -234,10 +260,11 @@ class SamplerStream:
                         written = True
                     finally:
                         if not written:
-                            self._undelivered(task_id, group_id, attempts, tokens)
+                            self._undelivered(task_id, group_id, attempts, tokens, shape)
                     del line
                     self.held.release(attempts)
                     self.sampler.count_kept()
+                    self.audit.add("kept", shape)
                     lags.append(lag)
                     self.handed += 1
                     self.lag_histogram[lag] += 1
@@ -275,6 +302,7 @@ class SamplerStream:
                 )
             )
         finally:
+            self.pacing.pull_left = 0
             end()
 
     def state(self) -> StreamState:
@@ -293,6 +321,9 @@ class SamplerStream:
             skipped_tasks=t.skipped_lists(),
             lag_histogram={str(k): v for k, v in sorted(self.lag_histogram.items())},
             max_staleness=self.body.max_staleness,
+            pacing=self.body.pacing,
+            paced_ahead=self.pacing.ahead(),
+            audit=self.audit.report(),
             budget=self.sampler.budget,
             idle_timeout_s=self.body.idle_timeout_s,
             idle_s=round(0.0 if self.pulling else time.monotonic() - self.last_used, 3),
@@ -304,6 +335,8 @@ class SamplerStream:
         self.producer.cancel()
         await asyncio.wait([self.producer])
         self.sampler.close()
+        for wall_s in self.sampler.cancelled_walls:
+            self.audit.add("cancelled", Shape(None, None, None, wall_s))
         self.buffer.clear()
         self.held.close()
         self._changed.set()  # a pull waiting for groups ends now
