@@ -100,3 +100,61 @@ def test_a_group_on_an_agent_server_is_exact_and_its_logprobs_are_the_policys(st
                       headers={"authorization": f"Bearer {token}"})  # fmt: skip
     assert late.status_code == 410 and late.json()["error"]["code"] == "attempt_ended", late.text
     assert wait_until(lambda: counters(agent)["running"] == 0, timeout_s=10)
+
+
+def test_an_agent_that_condenses_its_history_gets_labelled_segments_each_exact(start_agent, start_service):
+    """The agent drops its first exchange from the third call on: that call opens a new segment cut
+    `history_rewritten`, which says why, and each segment is exact on its own.
+    Break tried: trajectory._rewritten answering None (no cut seen) -> the third turn is appended to
+    the first segment (one segment, and its prompt is not what the model was given: a render mismatch)."""
+    agent = start_agent("rewrite", "--turns", "3")
+    service = start_service([agent.url])
+    group = run_group(service, {"task_id": "name-2", "n": 4, "sampling": SAMPLING, "max_turns": 6})
+    tok = tokenizer()
+    for attempt in group["attempts"]:
+        assert attempt["status"] == "scored", attempt.get("failure")
+        segments = attempt["trajectory"]
+        assert [s["cut"] for s in segments] == [None, "history_rewritten"], [s["cut"] for s in segments]
+        assert "differs" in segments[1]["cut_detail"] or "messages" in segments[1]["cut_detail"]
+        assert [t["segment"] for t in attempt["turns"]] == [0, 0, 1]
+        assert_exact(attempt, tok)
+    assert_logprobs_are_the_policys(group["attempts"])
+
+
+@pytest.fixture
+def tool_call_model(launch, vllm_url):
+    return launch("model", None, [sys.executable, str(TOOL_CALL_MODEL), "--port", "0", "--upstream", vllm_url],
+                  ready_path="/stats")  # fmt: skip
+
+
+def test_tool_calls_round_trip_and_the_trained_tokens_are_the_sampled_ones(start_agent, start_service, tool_call_model):
+    """The stand-in model samples `<tool_call>{...}</tool_call>` on the first turn: the agent's openai
+    client gets it as tool_calls (name, arguments, an id), sends it back with the tool's result, and
+    the second turn goes on in the same segment from the very ids sampled (the stand-in's record), not
+    a re-render of the parsed call.
+    Break tried: messages.template_messages ignoring `returned` (the agent's message re-rendered with
+    render_tool_call) -> the second turn opens a new segment cut history_rewritten."""
+    agent = start_agent("tools")
+    service = start_service([agent.url], vllm=tool_call_model.url)
+    group = run_group(service, {"task_id": "count-1", "n": 4, "sampling": {**SAMPLING, "max_tokens": 48}})
+    # Less the service's one-token probe of token prompts at start.
+    forced = [ids for ids in httpx.get(f"{tool_call_model.url}/stats").json()["forced"] if len(ids) > 1]
+    assert len(forced) == 4
+    tok = tokenizer()
+    for attempt in group["attempts"]:
+        assert attempt["status"] == "scored", attempt.get("failure")
+        calls = attempt["answer"]["tool_calls"]
+        assert [(c["name"], c["arguments"]) for c in calls] == [("list_tables", "{}")], calls
+        assert calls[0]["id"].startswith("call_")
+        assert attempt["answer"]["texts"][0] is None  # nothing but the call: no content
+        first, second = attempt["turns"]
+        assert first["completion"] == '<tool_call>{"name": "list_tables", "arguments": {}}</tool_call>'
+        assert first["completion_token_ids"] in forced  # the ids trained are the ids sampled
+        assert second["segment"] == first["segment"] == 0 and len(attempt["trajectory"]) == 1
+        segment = attempt["trajectory"][0]
+        # Between the two turns: the template's end of turn, the tool's result as a user turn, the prompt.
+        between = tok.decode(segment["token_ids"][segment["turns"][0]["end"] : segment["turns"][1]["start"]])
+        assert "<tool_response>\nusers, orders\n</tool_response>" in between, between
+        assert "list_tables" in tok.decode(segment["token_ids"][: segment["prompt_tokens"]])  # the tools, told
+        assert attempt["agent"]["tool_calls"] == 1 and attempt["agent"]["tool_calls_unparsed"] == 0
+        assert_exact(attempt, tok)
