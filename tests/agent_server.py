@@ -30,6 +30,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import httpx
@@ -65,6 +67,11 @@ TOOLS = [
         },
     },
 ]
+
+
+def command(mode: str, *flags: str) -> list[str]:
+    """The command line that serves this agent server on a port the system picks (with --port-file)."""
+    return [sys.executable, os.path.abspath(__file__), "--port", "0", "--mode", mode, *flags]
 
 
 def build(mode: str, pool: int, turns: int) -> Starlette:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import agent_server
 import httpx
 import pytest
 from helpers import assert_accounted, assert_logprobs_are_the_policys, wait_until
@@ -21,7 +22,6 @@ from helpers import assert_accounted, assert_logprobs_are_the_policys, wait_unti
 from rollout_service.launch import embedded_model
 
 MODEL = embedded_model.MODEL_NAME
-AGENT_SERVER = Path(__file__).with_name("agent_server.py")
 TOOL_CALL_MODEL = Path(__file__).with_name("tool_call_model.py")
 SAMPLING = {"temperature": 0.8, "max_tokens": 24, "seed": 11}
 
@@ -31,7 +31,7 @@ def start_agent(launch):
     """start_agent(mode, *flags) -> Running: tests/agent_server.py in `mode`."""
 
     def start(mode: str, *flags: str):
-        return launch("agent", None, [sys.executable, str(AGENT_SERVER), "--port", "0", "--mode", mode, *flags])
+        return launch("agent", None, agent_server.command(mode, *flags))
 
     return start
 
@@ -75,9 +75,8 @@ def test_a_group_on_an_agent_server_is_exact_and_its_logprobs_are_the_policys(st
     """n=4 attempts, each a three-call conversation the agent keeps itself (its history as the openai
     client returned it): one segment per attempt, every turn appended to it, each sampled id where it
     was sampled, the logprobs the model's own (transformers, float32); the worlds back at the end.
-    Break tried: messages.template_messages rendering the agent's assistant message as it came (not
-    the sampled text): identical here, so the break used was `returned_key` ignoring content -> the
-    sampled text of another turn is put back, the prefix breaks and each attempt has 3 segments."""
+    Break tried: lane.episode without a trajectory (its turns sent as chat messages) -> no exact
+    trajectory (attempt["trajectory"] is None)."""
     agent = start_agent("chat", "--turns", "3")
     service = start_service([agent.url])
     group = run_group(service, {"task_id": "count-1", "n": 4, "sampling": SAMPLING, "max_turns": 6})
