@@ -38,8 +38,8 @@ def test_a_hostile_agent_is_refused_call_by_call(start_agent, start_service):
     good call is served and the attempt is graded, every refusal counted on it.
     Breaks tried: `_sampling`'s over-asking check removed -> max_tokens and temperature answered 200 (n
     too); the route's --agent-max-body-bytes check removed -> the 10 MB history rendered and sent to the
-    model (vLLM's context-length 400 fails the attempt: inference_rejected); sessions.check comparing
-    only the id's presence -> other_attempt 200."""
+    model (vLLM's context-length 400 fails the attempt: context_overflow, after ~20 s of rendering);
+    sessions.check comparing only the id's presence -> wrong_token and other_attempt 200."""
     agent = start_agent("hostile")
     service = start_service([agent.url], "--max-body-bytes", str(64 << 20))
     group = run_group(service, {"task_id": "count-1", "n": 2, "sampling": SAMPLING})

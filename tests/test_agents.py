@@ -11,6 +11,7 @@ The oracles: the tokenizer of the model files (transformers) and the model itsel
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 from pathlib import Path
 
@@ -157,3 +158,39 @@ def test_tool_calls_round_trip_and_the_trained_tokens_are_the_sampled_ones(start
         assert "list_tables" in tok.decode(segment["token_ids"][: segment["prompt_tokens"]])  # the tools, told
         assert attempt["agent"]["tool_calls"] == 1 and attempt["agent"]["tool_calls_unparsed"] == 0
         assert_exact(attempt, tok)
+
+
+def test_the_model_endpoint_takes_the_attempts_token_alone(start_agent, start_service):
+    """With keys on both planes: on a running attempt's endpoint neither the trainers' key nor the
+    operators' nor no key is taken (401); the attempt's own token is (a turn, and /models); its routes
+    are on the agent plane in the schema.
+    Break tried: agent_routes declared on the data plane -> the attempt's own token is refused by the
+    planes' check (401), and the trainers' key reaches the route."""
+    keys = {"TEST_DATA_KEY": "trainer-key", "TEST_ADMIN_KEY": "operator-key"}
+    agent = start_agent("slow")
+    service = start_service(
+        [agent.url], "--api-key-env", "TEST_DATA_KEY", "--admin-key-env", "TEST_ADMIN_KEY", env=keys
+    )
+    trainer = {"authorization": "Bearer trainer-key"}
+    body = {"task_id": "count-1", "n": 1, "sampling": SAMPLING, "timeout_s": 20, "retries": 0}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        group = pool.submit(httpx.post, f"{service.url}/groups", json=body, headers=trainer, timeout=120)
+        assert wait_until(lambda: counters(agent)["tokens"], timeout_s=30)
+        ((base_url, token),) = counters(agent)["tokens"].values()
+        call = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+        for key in ("trainer-key", "operator-key", None):
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            refused = httpx.post(f"{base_url}/chat/completions", json=call, headers=headers)
+            assert refused.status_code == 401, (key, refused.text)
+            assert httpx.get(f"{base_url}/models", headers=headers).status_code == 401
+        own = {"authorization": f"Bearer {token}"}
+        served = httpx.post(f"{base_url}/chat/completions", json=call, headers=own, timeout=60)
+        assert served.status_code == 200, served.text
+        assert served.json()["choices"][0]["message"]["role"] == "assistant"
+        assert httpx.get(f"{base_url}/models", headers=own).json()["data"][0]["id"] == MODEL
+        schema = httpx.get(f"{service.url}/openapi.json", headers=trainer).json()
+        planes = {path: op["x-plane"] for path, item in schema["paths"].items() for op in item.values()}
+        assert planes["/agent/{attempt_id}/v1/chat/completions"] == planes["/agent/{attempt_id}/v1/models"] == "agent"
+        answer = group.result().json()
+    (attempt,) = answer["attempts"]
+    assert attempt["failure"]["kind"] == "deadline" and len(attempt["turns"]) == 1
