@@ -18,7 +18,8 @@ from pathlib import Path
 import agent_server
 import httpx
 import pytest
-from helpers import assert_accounted, assert_logprobs_are_the_policys, wait_until
+from helpers import assert_logprobs_are_the_policys, wait_until
+from test_routing import post_group
 
 from rollout_service.launch import embedded_model
 
@@ -41,12 +42,18 @@ def counters(agent) -> dict:
     return httpx.get(f"{agent.url}/counters", timeout=10).json()
 
 
-def run_group(service, body: dict, timeout: float = 300) -> dict:
-    answer = httpx.post(f"{service.url}/groups", json=body, timeout=timeout)
-    assert answer.status_code == 200, answer.text
-    group = answer.json()
-    assert_accounted(group)
-    return group
+def run_group(service, body: dict) -> dict:
+    return post_group(service, body, timeout=300)
+
+
+def scored_group(start_agent, start_service, mode: str, body: dict) -> tuple[object, list[dict]]:
+    """A group on a fresh agent server in `mode` (three calls a run): the server, and the group's
+    attempts, each scored."""
+    agent = start_agent(mode, "--turns", "3")
+    group = run_group(start_service([agent.url]), {"n": 4, "sampling": SAMPLING, "max_turns": 6, **body})
+    for attempt in group["attempts"]:
+        assert attempt["status"] == "scored", attempt.get("failure")
+    return agent, group["attempts"]
 
 
 def tokenizer():
@@ -78,18 +85,15 @@ def test_a_group_on_an_agent_server_is_exact_and_its_logprobs_are_the_policys(st
     was sampled, the logprobs the model's own (transformers, float32); the worlds back at the end.
     Break tried: lane.episode without a trajectory (its turns sent as chat messages) -> no exact
     trajectory (attempt["trajectory"] is None)."""
-    agent = start_agent("chat", "--turns", "3")
-    service = start_service([agent.url])
-    group = run_group(service, {"task_id": "count-1", "n": 4, "sampling": SAMPLING, "max_turns": 6})
+    agent, attempts = scored_group(start_agent, start_service, "chat", {"task_id": "count-1"})
     tok = tokenizer()
-    for attempt in group["attempts"]:
-        assert attempt["status"] == "scored", attempt.get("failure")
+    for attempt in attempts:
         assert len(attempt["turns"]) == 3 and len(attempt["trajectory"]) == 1, attempt["trajectory"]
         assert attempt["agent"]["calls"] == 3 and attempt["agent"]["refused"] == 0
         assert_exact(attempt, tok)
         # What the agent got back is what was sampled: its answer lists its replies.
         assert attempt["answer"] == [t["completion"] for t in attempt["turns"]]
-    assert_logprobs_are_the_policys(group["attempts"])
+    assert_logprobs_are_the_policys(attempts)
     seen = counters(agent)
     assert seen["runs"] == 4 and seen["answered"] == 4 and seen["running"] == 0 and seen["deleted"] == []
     # Each run was told the group's limits and sampling.
@@ -107,18 +111,15 @@ def test_an_agent_that_condenses_its_history_gets_labelled_segments_each_exact(s
     `history_rewritten`, which says why, and each segment is exact on its own.
     Break tried: trajectory._rewritten answering None (no cut seen) -> the third turn is appended to
     the first segment (one segment, and its prompt is not what the model was given: a render mismatch)."""
-    agent = start_agent("rewrite", "--turns", "3")
-    service = start_service([agent.url])
-    group = run_group(service, {"task_id": "name-2", "n": 4, "sampling": SAMPLING, "max_turns": 6})
+    _, attempts = scored_group(start_agent, start_service, "rewrite", {"task_id": "name-2"})
     tok = tokenizer()
-    for attempt in group["attempts"]:
-        assert attempt["status"] == "scored", attempt.get("failure")
+    for attempt in attempts:
         segments = attempt["trajectory"]
         assert [s["cut"] for s in segments] == [None, "history_rewritten"], [s["cut"] for s in segments]
         assert "differs" in segments[1]["cut_detail"] or "messages" in segments[1]["cut_detail"]
         assert [t["segment"] for t in attempt["turns"]] == [0, 0, 1]
         assert_exact(attempt, tok)
-    assert_logprobs_are_the_policys(group["attempts"])
+    assert_logprobs_are_the_policys(attempts)
 
 
 @pytest.fixture
