@@ -17,6 +17,7 @@ from rollout_service import installed_version
 
 from ...protocol import describe_errors
 from ...viewer import SecurityHeaders, attach_viewer
+from ..agents.sessions import AgentRefused
 from ..config import ServiceConfig
 from ..errors import (
     BackendFailed,
@@ -31,7 +32,7 @@ from ..errors import (
     Unavailable,
 )
 from ..service import RolloutService
-from . import group_routes, membership_routes, policy_routes, sampler_routes, status_routes
+from . import agent_routes, group_routes, membership_routes, policy_routes, sampler_routes, status_routes
 from .auth import LoopbackHostOnly, PlaneAuth, attach_routes, service_keys, unmarked_routes
 from .middleware import BodyLimit, RefuseControlPaths, error_response
 
@@ -152,7 +153,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         redirect_slashes=False,
     )
     app.state.service = service
-    for feature in (group_routes, policy_routes, membership_routes, sampler_routes, status_routes):
+    for feature in (group_routes, policy_routes, membership_routes, sampler_routes, status_routes, agent_routes):
         attach_routes(app, feature.router)
     attach_viewer(app)  # the run viewer at /ui (rollout_service/viewer)
     unmarked = unmarked_routes(app.router.routes)
@@ -161,6 +162,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestRefused, _refused)  # type: ignore[arg-type]
+    app.add_exception_handler(AgentRefused, agent_routes.refused)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _bug)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     # Said in /health/detail for as long as it runs: an operator looking there sees it.
