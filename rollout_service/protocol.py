@@ -220,6 +220,12 @@ class GroupRequest(BaseModel):
     )
     max_turns: WireInt = Field(32, ge=1, le=1000, description="model calls per episode before it is abandoned")
     timeout_s: WireFloat = Field(600.0, gt=0, le=86400, description="deadline of one episode try")
+    max_tokens_total: WireIntOrNull = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="agent servers: tokens an attempt may sample across its turns; default max_turns * max_tokens",
+    )
     retries: WireInt = Field(1, ge=0, le=10, description="re-runs of an attempt that failed on the env's side")
     policy_failure_reward: WireFloatOrNull = Field(
         0.0,
@@ -400,6 +406,20 @@ class AttemptTimings(BaseModel):
     total_s: float = 0.0
 
 
+class AgentRecord(BaseModel):
+    """What an attempt on an agent server did on its model endpoint (docs/agents.md)."""
+
+    calls: int = Field(0, description="chat completion calls that became turns")
+    refused: int = Field(0, description="calls refused (over the group's sampling, over a limit, malformed)")
+    refusals: list[str] = Field(default_factory=list, description="why, the first 16 of them")
+    adjusted: list[str] = Field(
+        default_factory=list,
+        description="sampling the agent asked for that the group's replaced (temperature, top_p, stop), once each",
+    )
+    tool_calls: int = Field(0, description="tool calls read from the sampled text and returned as tool_calls")
+    tool_calls_unparsed: int = Field(0, description="<tool_call> blocks that could not be read: returned as text")
+
+
 class Attempt(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
@@ -423,6 +443,7 @@ class Attempt(BaseModel):
         None, description="exact mode: the attempt's token sequence, one segment per stretch the env did not rewrite"
     )
     turns: list[Turn] = Field(default_factory=list)
+    agent: AgentRecord | None = Field(None, description="on an agent server: its calls on the model endpoint")
 
     def turn_prompt_ids(self, turn: int) -> list[int] | None:
         """The ids turn `turn` (an index into `turns`) was generated from: in exact mode its segment up to

@@ -260,6 +260,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("rollout_service.server.policy",),
     ("rollout_service.server.membership",),
     ("rollout_service.server.groups",),
+    ("rollout_service.server.agents",),  # the agent lane: tries on agent servers, their model endpoint
     ("rollout_service.server.sampler",),
     ("rollout_service.server.service", "rollout_service.server.status"),
     ("rollout_service.server.http", "rollout_service.viewer"),  # the viewer: pages the app serves (/ui)

@@ -229,6 +229,9 @@ class EnvClient:
         # (the contract keeps it open). Envs that ask for no token ignore it.
         self._token_headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._headers: dict[str, str] = {}
+        # An agent server (its /health lists the "agent" drive mode): episodes are runs, POST /run and
+        # DELETE /run/{attempt_id} (docs/agents.md), not /step.
+        self.agent = False
         # `http`: the client to call the env with (a test's stand-in); otherwise the service's own stack.
         # `address_policy`: where it may connect (see CheckedResolver).
         self._http = http or make_transport(timeout_s, max_answer_bytes=max_answer_bytes, address_policy=address_policy)
@@ -280,10 +283,25 @@ class EnvClient:
         }
         return _step_answer(await self._call("POST", "/step", json=body), "POST /step")
 
-    async def abandon(self, episode_id: str) -> None:
-        """DELETE the episode; 410 means its world is already back, which is what we want."""
+    async def run(self, body: dict[str, Any], timeout_s: float) -> StepAnswer:
+        """An agent server's episode, run whole: its final form (the step contract's), read as a step
+        answer of the attempt's id. `timeout_s` bounds the call (the attempt's own deadline)."""
+        answer = await self._call("POST", "/run", json=body, timeout=timeout_s)
+        data = _object(answer, "POST /run")
+        if data.get("done") is not True:
+            raise BadEnvAnswer(answer.status, "invalid_answer", "POST /run: the answer is not a final form (done)")
         try:
-            _object(await self._call("DELETE", f"/step/{quote(episode_id, safe='')}", timeout=30.0), "DELETE /step")
+            return msgspec.convert({**data, "episode_id": body["attempt_id"]}, StepAnswer, strict=False)
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise BadEnvAnswer(answer.status, "invalid_answer", f"POST /run: {exc}") from None
+
+    async def abandon(self, episode_id: str) -> None:
+        """DELETE the episode (an agent server's run); 410 means its world is already back, which is
+        what we want."""
+        where = "/run" if self.agent else "/step"
+        try:
+            answer = await self._call("DELETE", f"{where}/{quote(episode_id, safe='')}", timeout=30.0)
+            _object(answer, f"DELETE {where}")
         except EpisodeGone:
             pass
 

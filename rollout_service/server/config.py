@@ -166,6 +166,16 @@ class ServiceConfig(BaseModel):
         "or a sample's connection is reset (what was buffered for it dropped)",
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="request bodies over this get 413")
+    agent_base_url: Annotated[str | None, Flag(metavar="URL", default_text="http://<--listen's host:port>")] = Field(
+        None,
+        description="where agent servers reach this service's per-attempt model endpoint: each attempt's "
+        "base_url is URL/agent/<attempt id>/v1 (docs/agents.md)",
+    )
+    agent_max_body_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
+        4 << 20,
+        ge=1024,
+        description="an agent's chat completion body over this gets 413, read no further and never rendered",
+    )
     max_answer_bytes: Annotated[int, Flag(metavar="BYTES")] = Field(
         DEFAULT_MAX_ANSWER_BYTES,
         ge=1 << 16,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..backends.env_client import EnvClient
+from .agents.lane import AgentLane
 from .config import ServiceConfig
 from .errors import StartupError
 from .groups.admission import Admission, AdmissionLimits
@@ -63,6 +64,7 @@ class RolloutService:
         )
         self.replicas = ReplicaRegistry(config, self.lifecycle, self.metrics, allowed)
         self.metrics.watch_replicas(self.replicas.load_rows)
+        self.agents = AgentLane(config)  # tries on agent servers, and their model endpoint's tokens
         self.runner = GroupRunner(
             self.scheduler,
             self.replicas.policy,
@@ -70,6 +72,7 @@ class RolloutService:
             self.metrics,
             RunnerConfig(policy_stages=frozenset(config.policy_stage), max_staleness=config.max_staleness),
             self.replicas.versions,
+            self.agents,
         )
         self.monitor = BackendMonitor(self.envs.envs, self.replicas.model_routes(), self.replicas.versions)
         self.run_log = RunLog(Path(config.runs_dir), self.run_id, config.max_run_log_queue) if config.runs_dir else None

@@ -57,6 +57,11 @@ def _serve(args: argparse.Namespace) -> int:
                 cancel()
             super().handle_exit(sig, frame)
 
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # where agent servers reach the attempts' model endpoint, port 0 resolved
+                app.state.service.agents.listening_on(self.bound_port())
+
     try:
         config = settings_from(args, ServiceConfig, ENV_PREFIX)
         app = create_app(config)

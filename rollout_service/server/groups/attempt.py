@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ...backends.answers import structured_output
 from ...backends.env_client import BadEnvAnswer, EnvError, EnvUnreachable, StepAnswer
@@ -45,6 +45,13 @@ class RunnerConfig:
     max_staleness: int | None = None  # when a request says nothing
 
 
+class AgentLane(Protocol):
+    """Runs a try's episode on an agent server (server/agents/lane.py): the agent drives, its model
+    calls come back as this attempt's turns."""
+
+    async def episode(self, run: AttemptRun, t: _Try, attempt: Attempt, env: EnvHandle) -> None: ...
+
+
 @dataclass(frozen=True)
 class RunnerParts:
     """What every attempt of a runner shares: worlds, endings, metrics, and the models."""
@@ -56,6 +63,7 @@ class RunnerParts:
     policy: ModelRoute  # the service's policy: its turns are served under a version lease
     support: ModelRoute | None  # answers the stages that are not the policy's, when set
     versions: PolicyManager | None  # the policy's versions; turns of other models carry none
+    agents: AgentLane | None = None  # episodes on agent servers; None: agent servers are refused
 
     def stale_reason(self, request: GroupRequest, attempt: Attempt) -> str | None:
         """Why the attempt's oldest turn is further behind the current policy than the bound, or None."""
@@ -199,7 +207,12 @@ class AttemptRun:
         retryable = False
         try:
             async with asyncio.timeout(request.timeout_s):
-                await self._episode(t, attempt, env)
+                if env.client.agent:
+                    if parts.agents is None:
+                        raise RuntimeError(f"{env.url} is an agent server, and this runner runs no agents")
+                    await parts.agents.episode(self, t, attempt, env)
+                else:
+                    await self._episode(t, attempt, env)
         except (Exception, asyncio.CancelledError) as exc:
             if isinstance(exc, BadEnvAnswer) and attempt.episode_id is None and exc.episode_id:
                 attempt.episode_id = exc.episode_id  # a malformed reset answer that still names its episode
@@ -281,8 +294,16 @@ class AttemptRun:
             raise TokenPromptsUnsupported(f"tokens=exact, but the model server cannot take token prompts: {why}")
         return None
 
-    async def _turn(self, t: _Try, answer: StepAnswer, turn_index: int, trajectory: TrajectoryBuilder | None) -> Turn:
-        """The model's completion for the env's observation, as the turn's record."""
+    async def _turn(
+        self,
+        t: _Try,
+        answer: StepAnswer,
+        turn_index: int,
+        trajectory: TrajectoryBuilder | None,
+        sampling_asked: dict[str, Any] | None = None,
+    ) -> Turn:
+        """The model's completion for the env's observation, as the turn's record. `sampling_asked`: the
+        group's sampling as one call narrowed it (an agent's max_tokens); by default the group's."""
         request, group_id, parts = self.group.request, self.group.group_id, self.parts
         policy = self.group.route
         observation = answer.observation
@@ -290,7 +311,7 @@ class AttemptRun:
             raise BadEnvAnswer(200, "invalid_answer", "the env answered done=false without an observation")
         trainable = observation.stage in parts.config.policy_stages
         route = policy if trainable or parts.support is None else parts.support
-        sampling: dict[str, Any] = request.sampling.model_dump()
+        sampling: dict[str, Any] = dict(sampling_asked) if sampling_asked else request.sampling.model_dump()
         seed = None
         if request.sampling.seed is not None:
             seed = (request.sampling.seed + self.index * _SEED_STRIDE + turn_index) % (2**31 - 1)

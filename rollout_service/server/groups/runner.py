@@ -16,7 +16,7 @@ from ..membership.targets import GroupRun, ModelRoute, TaskTarget
 from ..membership.world_scheduler import WorldScheduler
 from ..metrics import Metrics
 from ..policy.manager import PolicyManager
-from .attempt import AttemptRun, RunnerConfig, RunnerParts
+from .attempt import AgentLane, AttemptRun, RunnerConfig, RunnerParts
 from .endings import EpisodeEndings
 from .outcome import assemble
 from .tail import run_until_closed
@@ -33,6 +33,7 @@ class GroupRunner:
         metrics: Metrics,
         config: RunnerConfig | None = None,
         versions: PolicyManager | None = None,
+        agents: AgentLane | None = None,
     ) -> None:
         self.endings = EpisodeEndings(scheduler, metrics)
         self.parts = RunnerParts(
@@ -43,6 +44,7 @@ class GroupRunner:
             policy=policy,
             support=support,
             versions=versions,
+            agents=agents,
         )
         self._group_seq = 0
 

@@ -31,7 +31,7 @@ from ..errors import (
     Unavailable,
 )
 from ..service import RolloutService
-from . import group_routes, membership_routes, policy_routes, sampler_routes, status_routes
+from . import agent_routes, group_routes, membership_routes, policy_routes, sampler_routes, status_routes
 from .auth import PlaneAuth, attach_routes, service_keys, unmarked_routes
 from .middleware import BodyLimit, RefuseControlPaths, error_response
 
@@ -152,7 +152,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
         redirect_slashes=False,
     )
     app.state.service = service
-    for feature in (group_routes, policy_routes, membership_routes, sampler_routes, status_routes):
+    for feature in (group_routes, policy_routes, membership_routes, sampler_routes, status_routes, agent_routes):
         attach_routes(app, feature.router)
     attach_viewer(app)  # the run viewer at /ui (rollout_service/viewer)
     unmarked = unmarked_routes(app.router.routes)

@@ -40,6 +40,9 @@ class Plane(StrEnum):
     PUBLIC = "public"  # anyone: a probe needs no key
     DATA = "data"  # the trainers' key (or the operators')
     ADMIN = "admin"  # the operators' key alone
+    # An attempt's model endpoint (agent servers): no plane's key is taken, the route checks the token
+    # of its attempt itself (server/agents/sessions.py).
+    AGENT = "agent"
 
 
 _PLANE_FIELD = "x-plane"  # where a route carries its plane: its OpenAPI operation, so the schema says it too
@@ -85,7 +88,7 @@ def request_plane(routes: Sequence[BaseRoute], scope: Scope) -> Plane:
             partial.append(route_plane(route))
     if not partial:
         return Plane.DATA
-    return max(partial, key=[Plane.PUBLIC, Plane.DATA, Plane.ADMIN].index)
+    return max(partial, key=[Plane.PUBLIC, Plane.AGENT, Plane.DATA, Plane.ADMIN].index)
 
 
 @dataclass(frozen=True)
@@ -187,8 +190,8 @@ class PlaneAuth:
             await self.app(scope, receive, send)
             return
         plane = request_plane(self.routes, scope)
-        caller = "open"
-        if plane is not Plane.PUBLIC:
+        caller = "agent" if plane is Plane.AGENT else "open"
+        if plane not in (Plane.PUBLIC, Plane.AGENT):
             admin = plane is Plane.ADMIN
             wanted = [("admin", self.admin)] if admin else [("data", self.data), ("admin", self.admin)]
             if wanted[0][1] is not None:  # the plane has a key

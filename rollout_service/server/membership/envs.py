@@ -316,16 +316,25 @@ async def ask_env(url: str, client: EnvClient) -> Discovered:
     return Discovered(url, health, tasks)
 
 
+def runs_agents(health: EnvHealth) -> bool:
+    """An agent server: its drive modes list "agent" (docs/agents.md); it is driven by POST /run."""
+    drive_modes = health.capabilities.get("drive_modes")
+    return isinstance(drive_modes, list) and "agent" in drive_modes
+
+
 def refuse_unless_step(url: str, health: EnvHealth) -> None:
     drive_modes = health.capabilities.get("drive_modes")
-    if drive_modes is not None and "step" not in drive_modes:
+    if drive_modes is not None and "step" not in drive_modes and not runs_agents(health):
         # Not its words (see ask_env): the modes it lists lack step.
-        raise StartupError(f"env {url} does not serve step mode (its drive_modes lack 'step'): start it with --step")
+        raise StartupError(
+            f"env {url} does not serve step mode (its drive_modes lack 'step' and 'agent'): start it with --step"
+        )
 
 
 def checked_env(found: Discovered, client: EnvClient) -> EnvHandle:
     """The env as the scheduler and runner see it, or StartupError if it cannot serve episodes."""
     refuse_unless_step(found.url, found.health)
+    client.agent = runs_agents(found.health)
     if not found.tasks:
         raise StartupError(f"env {found.url} serves no task")
     contract = EnvContract(
