@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 
 import httpx
-from helpers import assert_env_accounted, unclaimed_ports, wait_until
+import pytest
+from helpers import assert_accounted, assert_env_accounted, unclaimed_ports, wait_until
 from tool_model import FAIL, HANG, ToolModel, call, call_raw, text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,3 +190,34 @@ def test_bad_requests_get_the_contracts_errors(start_refenv, launch):
     assert httpx.post(f"{agent.url}/run", content=b"[1", timeout=10).json()["error"] == "invalid_body"
     assert httpx.delete(f"{agent.url}/run/nobody", timeout=10).status_code == 410
     assert settled(refenv)["episodes"]["started"] == 0
+
+
+def test_a_group_through_the_service_runs_the_example_agent_on_the_real_model(start_refenv, launch, start_service):
+    """End to end with real parts only: refenv lending worlds, the example agent server, the service (its
+    per-attempt endpoint) and the shared embedded vLLM. The 135M model rarely calls a tool: whatever it
+    does, every attempt is graded by refenv or attributed, and every world is back."""
+    refenv = start_refenv("--pool", "4")
+    agent = start_agent(launch, refenv.url)
+    service = start_service([agent.url])
+    body = {"task_id": "t001", "n": 4, "sampling": {"temperature": 1.0, "max_tokens": 48, "seed": 5}, "max_turns": 3}
+    answer = httpx.post(f"{service.url}/groups", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    group = answer.json()
+    assert_accounted(group)
+    assert group["n"] == 4 and len(group["attempts"]) == 4
+    for attempt in group["attempts"]:
+        assert attempt["status"] == "scored" or attempt["failure"]["attribution"], attempt
+        assert attempt["turns"], attempt  # each attempt called the model through its endpoint
+        if attempt["status"] == "scored":
+            # refenv's rl reward for a vocabulary task, from its published weights: 0.7 ground truth,
+            # 0.2 method (a vocabulary task needs no query), 0.1 behavior (an answer, no spent budget).
+            # Break tried: the agent server dropped `reward` from its final form: every reward was 0.0.
+            expected = 0.7 * bool(attempt["pass"]) + 0.2 + 0.1 * bool(attempt["answer"])
+            assert attempt["reward"] == pytest.approx(expected), attempt
+    health = settled(refenv)
+    # One lent world per attempt, each graded by submit or given back by a failed run.
+    assert health["episodes"]["started"] == 4
+    assert health["episodes"]["finished"] == sum(a["status"] == "scored" for a in group["attempts"])
+    assert health["episodes"]["finished"] + health["episodes"]["abandoned"] == 4
+    runs = agent.health()["runs"]
+    assert runs["started"] == 4 and runs["live"] == 0
