@@ -73,12 +73,13 @@ def _error(status: int, error: str, message: str = "") -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-_B = TypeVar("_B", bound=_Body)
+_B = TypeVar("_B", bound=BaseModel)
 
 
-async def _read_json(request: Request, model: type[_B]) -> _B:
+async def read_json(request: Request, model: type[_B]) -> _B:
     """Decode a body as GraphJin does: capped at 1 MiB, empty means defaults, extras ignored; a lone
-    surrogate in a string becomes U+FFFD (`clean_text`)."""
+    surrogate in a string becomes U+FFFD (`clean_text`). Errors are the contract's 400 invalid_body
+    (the example agent server, examples/agents/server.py, reads its bodies with it too)."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -240,7 +241,7 @@ def create_app(settings: Settings) -> Starlette:
                 raise ContractError(503, "no_world_available", "the request was cancelled")
 
     async def reset(request: Request) -> JSONResponse:
-        body = await _read_json(request, ResetBody)
+        body = await read_json(request, ResetBody)
         task, profile = env.find_task(body), env.profile(body)
 
         async def give_back(result: dict) -> None:
@@ -250,7 +251,7 @@ def create_app(settings: Settings) -> Starlette:
         return await lease(request, env.episodes.reset(task, profile), give_back)
 
     async def tools_open(request: Request) -> JSONResponse:
-        body = await _read_json(request, ResetBody)
+        body = await read_json(request, ResetBody)
         task, profile = env.find_task(body), env.profile(body)
 
         async def give_back(result: dict) -> None:
@@ -259,15 +260,15 @@ def create_app(settings: Settings) -> Starlette:
         return await lease(request, env.tools.open(task, profile), give_back)
 
     async def tools_list_tables(request: Request) -> JSONResponse:
-        await _read_json(request, _Body)
+        await read_json(request, _Body)
         return JSONResponse(await env.tools.list_tables(request.path_params["world_id"]))
 
     async def tools_run_sql(request: Request) -> JSONResponse:
-        body = await _read_json(request, SqlBody)
+        body = await read_json(request, SqlBody)
         return JSONResponse(await env.tools.run_sql(request.path_params["world_id"], body.sql))
 
     async def tools_submit(request: Request) -> JSONResponse:
-        body = await _read_json(request, SubmitBody)
+        body = await read_json(request, SubmitBody)
         world_id = request.path_params["world_id"]
         return JSONResponse(await env.tools.submit(world_id, body.answer, body.usage.model_dump()))
 
@@ -275,7 +276,7 @@ def create_app(settings: Settings) -> Starlette:
         return JSONResponse(await env.tools.abandon(request.path_params["world_id"]))
 
     async def step(request: Request) -> JSONResponse:
-        body = await _read_json(request, StepBody)
+        body = await read_json(request, StepBody)
         return JSONResponse(
             await env.episodes.step(body.episode_id, Reply(body.completion, body.prompt_tokens, body.completion_tokens))
         )
@@ -284,7 +285,7 @@ def create_app(settings: Settings) -> Starlette:
         return JSONResponse(await env.episodes.abandon(request.path_params["episode_id"]))
 
     async def episodes(request: Request) -> JSONResponse:
-        body = await _read_json(request, EpisodesBody)
+        body = await read_json(request, EpisodesBody)
         if settings.step:
             raise ContractError(
                 409,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from typing import Any
 
 import openai
 import uvicorn
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from sql_agent import Episode, Limits, RefenvTools, ToolError, UnknownTask, solve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,10 +38,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from refenv.episodes import ContractError
+from refenv.server import read_json
 from rollout_service.flags import parse_listen
 from rollout_service.listening import ReportingServer
 
-MAX_BODY_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -66,14 +66,6 @@ class RunBody(BaseModel):
     sampling: dict[str, Any] = {}
     limits: RunLimits = RunLimits()
     reward_profile: str | None = None
-
-
-class RunError(Exception):
-    """An error answer of the contract: {"error": code, "message"} with this HTTP status."""
-
-    def __init__(self, status: int, error: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.error, self.message = status, error, message
 
 
 @dataclass
@@ -104,7 +96,7 @@ class AgentServer:
     async def refenv_json(self, path: str) -> dict:
         answer = await self.refenv.get(path)
         if answer.status_code != 200:
-            raise RunError(503, "env_unavailable", f"refenv {path}: HTTP {answer.status_code}")
+            raise ContractError(503, "env_unavailable", f"refenv {path}: HTTP {answer.status_code}")
         return answer.json()
 
     async def health(self) -> dict:
@@ -129,7 +121,7 @@ class AgentServer:
 
     async def run(self, request: Request, body: RunBody) -> dict:
         if body.attempt_id in self.runs:
-            raise RunError(409, "attempt_running", f"attempt {body.attempt_id!r} is running already")
+            raise ContractError(409, "attempt_running", f"attempt {body.attempt_id!r} is running already")
         run = Run(body)
         run.task = asyncio.create_task(self._episode(run), name=body.attempt_id)
         self.runs[body.attempt_id] = run
@@ -144,7 +136,7 @@ class AgentServer:
                     run.task.cancel()
                     await asyncio.wait([run.task])
                     self.counters.abandoned += 1
-                    raise RunError(503, "run_cancelled", "the run's caller left")
+                    raise ContractError(503, "run_cancelled", "the run's caller left")
         finally:
             self.runs.pop(body.attempt_id, None)
         head = {"attempt_id": body.attempt_id, "task_id": body.task_id, "slug": body.slug}
@@ -154,16 +146,17 @@ class AgentServer:
             final = run.task.result()
         except TimeoutError:
             self.counters.timed_out += 1
-            raise RunError(504, "episode_timeout", f"the run took longer than {body.limits.timeout_s:g}s") from None
+            took = f"the run took longer than {body.limits.timeout_s:g}s"
+            raise ContractError(504, "episode_timeout", took) from None
         except UnknownTask as exc:
             self.counters.failed += 1
-            raise RunError(404, "unknown_task", str(exc)) from None
+            raise ContractError(404, "unknown_task", str(exc)) from None
         except ToolError as exc:
             self.counters.failed += 1
-            raise RunError(400, "invalid_body", str(exc)) from None
+            raise ContractError(400, "invalid_body", str(exc)) from None
         except Exception as exc:
             self.counters.failed += 1
-            raise RunError(500, "episode_failed", f"{type(exc).__name__}: {exc}") from None
+            raise ContractError(500, "episode_failed", f"{type(exc).__name__}: {exc}") from None
         if final.get("score", {}).get("failure_category"):
             self.counters.failed += 1
         else:
@@ -195,7 +188,7 @@ class AgentServer:
     async def stop(self, attempt_id: str) -> dict:
         run = self.runs.get(attempt_id)
         if run is None or run.task is None or run.task.done() or run.stopped:
-            raise RunError(410, "run_gone", f"no run {attempt_id!r} is going on")
+            raise ContractError(410, "run_gone", f"no run {attempt_id!r} is going on")
         run.stopped = True
         run.task.cancel()
         await asyncio.wait([run.task])  # its world is given back before this answers
@@ -210,27 +203,6 @@ class AgentServer:
         await self.refenv.aclose()
 
 
-async def read_body(request: Request) -> RunBody:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RunError(400, "invalid_body", "request body exceeds 1 MiB")
-        chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks) or b"{}")
-    except (ValueError, RecursionError) as exc:
-        raise RunError(400, "invalid_body", f"body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise RunError(400, "invalid_body", "body must be a JSON object")
-    try:
-        return RunBody.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise RunError(400, "invalid_body", f"{where}: {first['msg']}") from None
-
-
 def create_app(refenv_url: str, refenv_token: str | None = None) -> Starlette:
     agent = AgentServer(refenv_url, refenv_token)
 
@@ -241,12 +213,12 @@ def create_app(refenv_url: str, refenv_token: str | None = None) -> Starlette:
         return JSONResponse(await agent.refenv_json("/tasks"))
 
     async def run(request: Request) -> JSONResponse:
-        return JSONResponse(await agent.run(request, await read_body(request)))
+        return JSONResponse(await agent.run(request, await read_json(request, RunBody)))
 
     async def stop(request: Request) -> JSONResponse:
         return JSONResponse(await agent.stop(request.path_params["attempt_id"]))
 
-    async def run_error(request: Request, exc: RunError) -> JSONResponse:
+    async def contract_error(request: Request, exc: ContractError) -> JSONResponse:
         return JSONResponse({"error": exc.error, "message": exc.message}, status_code=exc.status)
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -267,7 +239,7 @@ def create_app(refenv_url: str, refenv_token: str | None = None) -> Starlette:
             Route("/run", run, methods=["POST"]),
             Route("/run/{attempt_id}", stop, methods=["DELETE"]),
         ],
-        exception_handlers={RunError: run_error, HTTPException: http_error},  # type: ignore[dict-item]
+        exception_handlers={ContractError: contract_error, HTTPException: http_error},  # type: ignore[dict-item]
         lifespan=lifespan,
     )
     app.state.agent = agent
