@@ -73,6 +73,18 @@ def _error(status: int, error: str, message: str = "") -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+async def _contract_error(request: Request, exc: ContractError) -> JSONResponse:
+    return _error(exc.status, exc.error, exc.message)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _error(exc.status_code, code, str(exc.detail))
+
+
+# The contract's error bodies for refenv's routes (and the example agent server's, examples/agents/).
+ERROR_HANDLERS = {ContractError: _contract_error, HTTPException: _http_error}
+
 _B = TypeVar("_B", bound=BaseModel)
 
 
@@ -297,13 +309,6 @@ def create_app(settings: Settings) -> Starlette:
             raise ContractError(400, "no_model", "hosted mode needs --support-model URL,NAME")
         return JSONResponse(await _hosted_episode(env, env.find_task(body), env.profile(body), body.include_trajectory))
 
-    async def contract_error(request: Request, exc: ContractError) -> JSONResponse:
-        return _error(exc.status, exc.error, exc.message)
-
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _error(exc.status_code, code, str(exc.detail))
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         reapers = [asyncio.create_task(env.episodes.reap_forever()), asyncio.create_task(env.tools.reap_forever())]
@@ -331,7 +336,7 @@ def create_app(settings: Settings) -> Starlette:
             Route("/tools/{world_id}/submit", tools_submit, methods=["POST"]),
             Route("/tools/{world_id}", tools_abandon, methods=["DELETE"]),
         ],
-        exception_handlers={ContractError: contract_error, HTTPException: http_error},  # type: ignore[dict-item]
+        exception_handlers=ERROR_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )
     app.state.env = env

@@ -33,13 +33,12 @@ import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
 from sql_agent import Episode, Limits, RefenvTools, ToolError, UnknownTask, solve
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from refenv.episodes import ContractError
-from refenv.server import read_json
+from refenv.server import ERROR_HANDLERS, read_json
 from rollout_service.flags import parse_listen
 from rollout_service.listening import ReportingServer
 
@@ -218,13 +217,6 @@ def create_app(refenv_url: str, refenv_token: str | None = None) -> Starlette:
     async def stop(request: Request) -> JSONResponse:
         return JSONResponse(await agent.stop(request.path_params["attempt_id"]))
 
-    async def contract_error(request: Request, exc: ContractError) -> JSONResponse:
-        return JSONResponse({"error": exc.error, "message": exc.message}, status_code=exc.status)
-
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse({"error": code, "message": str(exc.detail)}, status_code=exc.status_code)
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         try:
@@ -239,7 +231,7 @@ def create_app(refenv_url: str, refenv_token: str | None = None) -> Starlette:
             Route("/run", run, methods=["POST"]),
             Route("/run/{attempt_id}", stop, methods=["DELETE"]),
         ],
-        exception_handlers={ContractError: contract_error, HTTPException: http_error},  # type: ignore[dict-item]
+        exception_handlers=ERROR_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )
     app.state.agent = agent
