@@ -221,3 +221,32 @@ def test_a_group_through_the_service_runs_the_example_agent_on_the_real_model(st
     assert health["episodes"]["finished"] + health["episodes"]["abandoned"] == 4
     runs = agent.health()["runs"]
     assert runs["started"] == 4 and runs["live"] == 0
+
+
+def test_a_caller_that_hangs_up_stops_its_run(start_refenv, launch):
+    refenv = start_refenv("--pool", "1")
+    agent = start_agent(launch, refenv.url)
+    with ToolModel([HANG]) as model:
+        try:
+            post_run(agent.url, run_body(model.url), timeout=2)
+        except httpx.ReadTimeout:
+            pass
+        # Break tried: POST /run awaited its run without watching for the caller leaving: the run went on
+        # hanging on the model, its world leased until refenv's idle deadline.
+        assert wait_until(lambda: refenv.health()["episodes"]["abandoned"] == 1, timeout_s=10), refenv.health()
+        settled(refenv)
+        runs = agent.health()["runs"]
+        assert runs["live"] == 0 and runs["abandoned"] == 1
+
+
+def test_an_env_that_is_gone_ends_the_run_as_an_environment_failure(start_refenv, launch):
+    refenv = start_refenv("--pool", "1")
+    agent = start_agent(launch, refenv.url)
+    refenv.proc.stop()
+    with ToolModel([text("paid")]) as model:
+        final = post_run(agent.url, run_body(model.url)).json()
+        assert not model.requests  # no world, no episode: the model was never asked
+    assert final["status"] == "failed" and final["score"]["failure_category"] == "environment_failure", final
+    # Its health says so, as the contract's error (a 503 the service reads as an env not ready), not a 500.
+    health = httpx.get(f"{agent.url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["error"] == "env_unavailable", health.text

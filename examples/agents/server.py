@@ -31,7 +31,7 @@ from typing import Any
 import openai
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
-from sql_agent import Episode, Limits, RefenvTools, ToolError, UnknownTask, solve
+from sql_agent import EnvironmentFailure, Episode, Limits, RefenvTools, ToolError, UnknownTask, solve
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -93,7 +93,10 @@ class AgentServer:
         self.counters = Counters()
 
     async def refenv_json(self, path: str) -> dict:
-        answer = await self.refenv.get(path)
+        try:
+            answer = await self.refenv.get(path)
+        except EnvironmentFailure as exc:
+            raise ContractError(503, "env_unavailable", str(exc)) from None
         if answer.status_code != 200:
             raise ContractError(503, "env_unavailable", f"refenv {path}: HTTP {answer.status_code}")
         return answer.json()
