@@ -540,7 +540,7 @@ def test_a_name_that_resolves_elsewhere_later_is_not_connected_to(start_refenv, 
     with (
         _recording("127.0.0.2", env_port) as env_side,
         _recording("127.0.0.2", model_port) as model_side,
-        TestClient(create_app(config, service)) as client,
+        TestClient(create_app(config, service), base_url="http://127.0.0.1") as client,
     ):
         assert wait_until(lambda: client.get("/health").json()["status"] == "ok", timeout_s=60)
         # Allowed when checked, elsewhere when connected to: refused at once, with the reason.

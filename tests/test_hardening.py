@@ -35,7 +35,7 @@ def post_then_hang_up(url: str, body: dict) -> socket.socket:
     sock = socket.create_connection((host, int(port)))
     payload = json.dumps(body).encode()
     sock.sendall(
-        b"POST /groups HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /groups HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )

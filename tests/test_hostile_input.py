@@ -87,7 +87,8 @@ def unstarted_app():
     from rollout_service.server.http.app import create_app
 
     config = ServiceConfig(env=["http://127.0.0.1:9"], vllm=["http://127.0.0.1:9"], model="m")
-    return TestClient(create_app(config))  # not entered: its lifespan, the service's start, never runs
+    # Not entered: its lifespan, the service's start, never runs.
+    return TestClient(create_app(config), base_url="http://127.0.0.1")
 
 
 JSON_BODY = b'{"task_id": "t001", "n": 1}'

@@ -402,7 +402,7 @@ def test_a_reader_that_stops_reading_is_cut_off_and_its_groups_cancelled(
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.connect((host, int(port)))
     client.sendall(
-        b"POST /groups/batch HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"POST /groups/batch HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
     )
     try:

@@ -70,7 +70,7 @@ def test_a_pull_cut_off_mid_group_tells_of_it_and_gives_its_queue_room_back(
     reader.connect((host, int(port)))
     payload = json.dumps({"count": budget}).encode()
     reader.sendall(
-        b"POST /samplers/%s/pull HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"POST /samplers/%s/pull HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%b" % (stream.encode(), len(payload), payload)
     )
     try:

@@ -629,3 +629,46 @@ def test_serve_refuses_a_default_pause_over_its_maximum():
         "--pause-timeout", "100", "--max-pause-timeout", "50",
     )  # fmt: skip
     assert done.returncode == 2 and "--max-pause-timeout" in done.stderr and "Traceback" not in done.stderr
+
+
+# -- DNS rebinding: an unkeyed service on loopback answers loopback names only ---------------------
+
+
+def _app_client(environ: dict[str, str], **keys: str):
+    """The real app, its lifespan not entered (the Host check runs before any route)."""
+    from starlette.testclient import TestClient
+
+    from rollout_service.server.config import ServiceConfig
+    from rollout_service.server.http.app import create_app
+
+    config = ServiceConfig(env=["http://127.0.0.1:9"], vllm=["http://127.0.0.1:9"], model="m", **keys)
+    old = {k: os.environ.get(k) for k in environ}
+    os.environ.update(environ)
+    try:
+        return TestClient(create_app(config), base_url="http://127.0.0.1")
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.parametrize("path", ["/tasks", "/envs", "/health/detail"])
+def test_an_unkeyed_service_refuses_a_rebound_host_name(path):
+    """A page whose own name was made to resolve to 127.0.0.1 is same-origin with an unkeyed service
+    on loopback in the browser's eyes: its requests carry that name as Host, and are refused before any
+    route; loopback names are answered. Break tried: LoopbackHostOnly not added in create_app -> the
+    evil.example requests reached the routes (503 starting, not 403)."""
+    client = _app_client({})
+    refused = client.get(path, headers={"Host": "evil.example:8080"})
+    assert refused.status_code == 403 and "loopback" in refused.json()["message"], refused.text
+    for name in ("127.0.0.1:8080", "localhost:8080", "[::1]:8080"):
+        assert client.get(path, headers={"Host": name}).status_code != 403, name
+
+
+def test_a_keyed_service_does_not_check_host_names():
+    """With both planes keyed the key is the guard: a proxy's or a cluster's own name as Host passes to
+    the key check (401 without it), not a 403."""
+    client = _app_client({"SEC_TEST_KEY": "k" * 32}, api_key_env="SEC_TEST_KEY")
+    assert client.get("/tasks", headers={"Host": "trainer-proxy.internal"}).status_code == 401

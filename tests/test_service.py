@@ -273,7 +273,7 @@ def test_an_embedded_app_whose_start_failed_says_failed_not_starting(start_refen
 
     env = start_refenv("--pool", "2")
     app = create_app(ServiceConfig(env=[env.url], vllm=[vllm_url], model="no-such-model"))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         assert wait_until(lambda: client.get("/health").json()["status"] != "starting", timeout_s=60)
         health = client.get("/health")
         assert (health.status_code, health.json()) == (503, {"status": "failed"})
@@ -282,7 +282,7 @@ def test_an_embedded_app_whose_start_failed_says_failed_not_starting(start_refen
         assert "no-such-model" in refused.json()["message"]
         assert "no-such-model" in " ".join(client.get("/health/detail").json()["reasons"])
         # A trainer waiting for it is told at once, not after its whole timeout.
-        rollout = RolloutClient("http://testserver")
+        rollout = RolloutClient("http://127.0.0.1")
         rollout._http = client  # TestClient is an httpx.Client over the in-process app
         started = time.monotonic()
         with pytest.raises(RolloutError, match="could not start"):

@@ -47,7 +47,7 @@ def test_an_unread_batch_is_cut_its_connection_closed_and_its_groups_cancelled(
     reader.connect((host, int(port)))
     try:
         reader.sendall(
-            b"POST /groups/batch HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"POST /groups/batch HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
         )
         assert _tcp_state(reader) == ESTABLISHED

@@ -89,7 +89,7 @@ def test_the_http_layer_keeps_no_group_once_it_is_sent(start_refenv, start_scrip
 
     sent = 0
     app = create_app(config)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         assert wait_until(lambda: client.get("/health").json()["status"] == "ok", 60)
         for i in range(3):
             answer = client.post("/groups", json=group(i))

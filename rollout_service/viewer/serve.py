@@ -11,34 +11,11 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..server.http.app import _http_error, _validation_error
-from ..server.http.auth import Keys, Plane, PlaneAuth, attach_routes, loopback_listen, loopback_url, on_plane
-from ..server.http.middleware import error_response
+from ..server.http.auth import Keys, LoopbackHostOnly, Plane, PlaneAuth, attach_routes, loopback_listen, on_plane
 from .routes import PREFIX, SecurityHeaders, router
 from .runlog_book import RunLogBook
-
-
-class LoopbackHostOnly:
-    """Without a key, answer only requests addressed to a loopback name: a web page whose own host name
-    was made to resolve to 127.0.0.1 (DNS rebinding) is same-origin with this server in the browser's
-    eyes, and would otherwise read the run log through it. Its requests carry that name as Host."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
-            if not loopback_url(f"//{host}"):
-                message = (
-                    f"Host {host!r} is not a loopback name: without --api-key-env, `rollout-service view` "
-                    "answers http://127.0.0.1, http://[::1] or http://localhost only"
-                )
-                await error_response(403, "forbidden", message)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_view_app(book: RunLogBook, key: str | None) -> FastAPI:
@@ -55,7 +32,7 @@ def create_view_app(book: RunLogBook, key: str | None) -> FastAPI:
     if key is not None:
         app.add_middleware(PlaneAuth, keys=Keys(key, key), routes=app.router.routes)
     else:
-        app.add_middleware(LoopbackHostOnly)
+        app.add_middleware(LoopbackHostOnly, unkeyed="without --api-key-env, `rollout-service view`")
     app.add_middleware(SecurityHeaders, prefix="")
     return app
 

@@ -32,7 +32,7 @@ from ..errors import (
 )
 from ..service import RolloutService
 from . import agent_routes, group_routes, membership_routes, policy_routes, sampler_routes, status_routes
-from .auth import PlaneAuth, attach_routes, service_keys, unmarked_routes
+from .auth import LoopbackHostOnly, PlaneAuth, attach_routes, service_keys, unmarked_routes
 from .middleware import BodyLimit, RefuseControlPaths, error_response
 
 log = logging.getLogger("rollout_service.app")
@@ -175,6 +175,10 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     if keys.data is not None or keys.admin is not None:
         # Outside the body cap: nothing is parsed before the key is checked.
         app.add_middleware(PlaneAuth, keys=keys, routes=app.router.routes)
+    if keys.open_planes() and keys.warning is None:
+        # A plane open on loopback trusts whoever can connect; a page rebound to 127.0.0.1 can.
+        planes = " and ".join(keys.open_planes())
+        app.add_middleware(LoopbackHostOnly, unkeyed=f"with the {planes} plane unkeyed, the service")
     app.add_middleware(RefuseControlPaths)  # before the keys, before routing
     app.add_middleware(SecurityHeaders)  # the viewer's CSP on its every answer, refusals included
     return app

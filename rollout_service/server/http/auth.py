@@ -213,3 +213,26 @@ class PlaneAuth:
                 caller = matches[0]
         scope["caller"] = caller
         await self.app(scope, receive, send)
+
+
+class LoopbackHostOnly:
+    """With no key, answer only requests addressed to a loopback name: a web page whose own host name
+    was made to resolve to 127.0.0.1 (DNS rebinding) is same-origin with this server in the browser's
+    eyes, and could otherwise use it with the browser's user's reach. Its requests carry that name as
+    Host. `unkeyed` names who is answering unkeyed, for the refusal's message."""
+
+    def __init__(self, app: ASGIApp, unkeyed: str) -> None:
+        self.app = app
+        self.unkeyed = unkeyed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            if not loopback_url(f"//{host}"):
+                message = (
+                    f"Host {host!r} is not a loopback name: {self.unkeyed} answers "
+                    "http://127.0.0.1, http://[::1] or http://localhost only"
+                )
+                await error_response(403, "forbidden", message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
