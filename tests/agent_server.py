@@ -5,7 +5,8 @@ against the per-attempt base_url the service lends each run.
 
 MODE, one of:
   chat      a conversation of --turns calls: the task's prompt, then "Go on." after each reply, the
-            history kept as the client returned it; reward = number of replies that hold a digit
+            history kept as the client returned it (every other call streamed, its reply put together
+            from the chunks); reward = number of replies that hold a digit
   rewrite   as chat, but from the third call on the history is condensed (the first exchange
             dropped): the service must start a new, labelled segment
   tools     tools list_tables and submit: the first call's tool_calls are run (list_tables answers
@@ -30,6 +31,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import httpx
@@ -65,6 +68,11 @@ TOOLS = [
         },
     },
 ]
+
+
+def command(mode: str, *flags: str) -> list[str]:
+    """The command line that serves this agent server on a port the system picks (with --port-file)."""
+    return [sys.executable, os.path.abspath(__file__), "--port", "0", "--mode", mode, *flags]
 
 
 def build(mode: str, pool: int, turns: int) -> Starlette:
@@ -165,10 +173,16 @@ async def chat(client: openai.AsyncOpenAI, body: dict, turns: int, counters: dic
     for i in range(turns):
         if rewrite and i == 2:  # the context condensed: the first exchange dropped
             messages = [messages[0], {"role": "user", "content": "So far: " + replies[0][:40]}, *messages[4:]]
-        got = await client.chat.completions.create(model=body["model"], messages=messages)
-        reply = got.choices[0].message.content or ""
+        if i % 2:  # every other call streamed, its reply put together from the chunks
+            stream = await client.chat.completions.create(model=body["model"], messages=messages, stream=True)
+            reply = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+            message = {"role": "assistant", "content": reply}
+        else:
+            got = await client.chat.completions.create(model=body["model"], messages=messages)
+            reply = got.choices[0].message.content or ""
+            message = got.choices[0].message.model_dump(exclude_none=True)
         replies.append(reply)
-        messages += [got.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+        messages += [message, {"role": "user", "content": "Go on."}]
     return final(body, counters, float(sum(any(c.isdigit() for c in r) for r in replies)), replies)
 
 

@@ -21,7 +21,8 @@ router = APIRouter()
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error"}
 
 
-def _refused(exc: AgentRefused) -> JSONResponse:
+async def refused(request: Request, exc: AgentRefused) -> JSONResponse:
+    """AgentRefused in OpenAI's error shape (http/app.py installs it as the app's handler)."""
     body = {"error": {"message": exc.message, "type": _TYPES.get(exc.status, "api_error"), "code": exc.code}}
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
     return JSONResponse(body, status_code=exc.status, headers=headers)
@@ -37,20 +38,15 @@ def _session(request: Request, attempt_id: str) -> AgentSession:
     summary="One turn of an attempt on an agent server (OpenAI chat completions; the attempt's token)",
 )
 async def chat_completions(attempt_id: str, request: Request) -> Response:
-    try:
-        session = _session(request, attempt_id)
-        cap = service_of(request).config.agent_max_body_bytes
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > cap:  # refused unread: a long history costs nothing
-            raise session.refuse(413, "body_too_large", f"bodies are capped at {cap} bytes (--agent-max-body-bytes)")
-        body = await request.body()
-        if len(body) > cap:
-            raise session.refuse(413, "body_too_large", f"bodies are capped at {cap} bytes (--agent-max-body-bytes)")
-        call = parse_request(body)
-        turn, parsed = await session.call(take_turn(session, call))
-        whole = answer(session, turn, parsed, session.run.group.route.model)
-    except AgentRefused as exc:
-        return _refused(exc)
+    session = _session(request, attempt_id)
+    cap = service_of(request).config.agent_max_body_bytes
+    declared = request.headers.get("content-length", "")
+    # Refused unread where its length is declared: a long history costs nothing.
+    if (declared.isdigit() and int(declared) > cap) or len(await request.body()) > cap:
+        raise session.refuse(413, "body_too_large", f"bodies are capped at {cap} bytes (--agent-max-body-bytes)")
+    call = parse_request(await request.body())
+    turn, parsed = await session.call(take_turn(session, call))
+    whole = answer(session, turn, parsed, session.run.group.route.model)
     if call.stream:
         return StreamingResponse(stream_chunks(whole), media_type="text/event-stream")
     return JSONResponse(whole)
@@ -62,9 +58,5 @@ async def chat_completions(attempt_id: str, request: Request) -> Response:
     summary="The model an attempt's turns are served by (the attempt's token)",
 )
 async def models(attempt_id: str, request: Request) -> Response:
-    try:
-        session = _session(request, attempt_id)
-    except AgentRefused as exc:
-        return _refused(exc)
-    model = session.run.group.route.model
+    model = _session(request, attempt_id).run.group.route.model
     return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "owned_by": "rollout-service"}]})

@@ -17,6 +17,7 @@ from rollout_service import installed_version
 
 from ...protocol import describe_errors
 from ...viewer import SecurityHeaders, attach_viewer
+from ..agents.sessions import AgentRefused
 from ..config import ServiceConfig
 from ..errors import (
     BackendFailed,
@@ -161,6 +162,7 @@ def create_app(config: ServiceConfig, service: RolloutService | None = None) -> 
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestRefused, _refused)  # type: ignore[arg-type]
+    app.add_exception_handler(AgentRefused, agent_routes.refused)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _bug)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     # Said in /health/detail for as long as it runs: an operator looking there sees it.
