@@ -119,7 +119,13 @@ def test_max_turns_ends_the_loop_and_the_world_is_graded(start_refenv, launch):
     # Break tried: the loop ran `for _ in range(limits.max_turns + 1)`: 4 requests.
     assert len(model.requests) == 3
     assert final["status"] == "no_answer" and "pass" not in final and final["done"] is True, final
-    assert settled(refenv)["episodes"]["finished"] == 1
+    # The token budget counts sampled tokens: the stand-in samples 10 a call (and reports 100 of prompt),
+    # so a budget of 25 allows 3 calls. Break tried: the budget held against prompt + completion (the
+    # first call's 110 spent it): 1 call.
+    with ToolModel([call("list_tables")]) as model:
+        final = post_run(agent.url, run_body(model.url, task_id="t005", max_tokens_total=25)).json()
+    assert len(model.requests) == 3 and final["status"] == "no_answer", final
+    assert settled(refenv)["episodes"]["finished"] == 2
 
 
 def test_delete_stops_the_run_and_gives_its_world_back(start_refenv, launch):
@@ -250,3 +256,36 @@ def test_an_env_that_is_gone_ends_the_run_as_an_environment_failure(start_refenv
     # Its health says so, as the contract's error (a 503 the service reads as an env not ready), not a 500.
     health = httpx.get(f"{agent.url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["error"] == "env_unavailable", health.text
+
+
+TOOL_CALL_MODEL = ROOT / "tests" / "tool_call_model.py"
+
+
+def test_the_example_agent_runs_the_tool_calls_the_service_parses(start_refenv, launch, start_service, vllm_url):
+    """The real vLLM behind tests/tool_call_model.py (a proxy that makes the first turn of each attempt
+    sample `<tool_call>{"name": "list_tables", ...}</tool_call>`: the embedded model would not write
+    one): the service parses it into OpenAI tool_calls, the example agent runs list_tables on refenv
+    and sends back its result, the next turn goes on from there, and refenv grades the episode."""
+    proxy = [sys.executable, str(TOOL_CALL_MODEL), "--port", "0", "--upstream", vllm_url]
+    model = launch("model", None, proxy, ready_path="/stats")
+    refenv = start_refenv("--pool", "4")
+    agent = start_agent(launch, refenv.url)
+    service = start_service([agent.url], vllm=model.url)
+    body = {"task_id": "t001", "n": 4, "sampling": {"temperature": 1.0, "max_tokens": 48, "seed": 3}, "max_turns": 3}
+    answer = httpx.post(f"{service.url}/groups", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    group = answer.json()
+    assert_accounted(group)
+    for attempt in group["attempts"]:
+        assert attempt["status"] == "scored", attempt.get("failure")
+        first, second, *_ = attempt["turns"]
+        assert first["completion"] == '<tool_call>{"name": "list_tables", "arguments": {}}</tool_call>'
+        assert attempt["agent"]["tool_calls"] >= 1
+        # The second call's history holds the tool's result as the agent sent it (refenv's schema), which
+        # the service rendered in the template's convention (a <tool_response> block).
+        # Break tried: the agent did not append its tool results to its history: no tool response here.
+        last = second["messages"][-1]["content"]
+        assert "<tool_response>" in last and "customers(id, name" in last, second["messages"]
+        assert len(attempt["trajectory"]) == 1  # the agent only appended: one exact segment
+    health = settled(refenv)
+    assert health["episodes"]["started"] == 4 and health["episodes"]["finished"] == 4

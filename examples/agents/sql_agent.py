@@ -247,7 +247,8 @@ async def _loop(
     ]
     answer: str | None = None
     for _ in range(limits.max_turns):
-        if limits.max_tokens_total is not None and episode.usage.total >= limits.max_tokens_total:
+        # The contract's token budget counts the tokens sampled, not the prompts.
+        if limits.max_tokens_total is not None and episode.usage.completion_tokens >= limits.max_tokens_total:
             break
         reply = await client.chat.completions.create(
             model=model, messages=messages, tools=TOOLS, extra_body=extra or None, **kwargs
