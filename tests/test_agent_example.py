@@ -221,6 +221,8 @@ def test_a_group_through_the_service_runs_the_example_agent_on_the_real_model(st
             expected = 0.7 * bool(attempt["pass"]) + 0.2 + 0.1 * bool(attempt["answer"])
             assert attempt["reward"] == pytest.approx(expected), attempt
     health = settled(refenv)
+    # The agent server's workers are refenv's pool: the service never had more runs going than worlds.
+    assert health["max_waiting"] == 0 and health["max_leased"] <= 4
     # One lent world per attempt, each graded by submit or given back by a failed run.
     assert health["episodes"]["started"] == 4
     assert health["episodes"]["finished"] == sum(a["status"] == "scored" for a in group["attempts"])
@@ -289,3 +291,4 @@ def test_the_example_agent_runs_the_tool_calls_the_service_parses(start_refenv, 
         assert len(attempt["trajectory"]) == 1  # the agent only appended: one exact segment
     health = settled(refenv)
     assert health["episodes"]["started"] == 4 and health["episodes"]["finished"] == 4
+    assert health["max_waiting"] == 0
