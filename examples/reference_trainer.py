@@ -64,6 +64,7 @@ from rollout_service.trainer.client import Sampled
 from rollout_service.trainer.export import ExportOptions, export_sft
 
 MODEL = embedded_model.MODEL_NAME
+AGENT_SERVER = Path(__file__).resolve().parent / "agents" / "server.py"
 
 
 def setting(default: Any, help: str) -> Any:
@@ -76,6 +77,11 @@ class Settings:
     out: Path
     vllm: str | None = None
     grpo_only: bool = setting(False, "skip distillation and rejection sampling: GRPO from the base model")
+    agent_example: bool = setting(
+        False,
+        "train through the agent lane: the example SQL agent server (examples/agents/server.py), in front of the "
+        "train-side refenv, is the service's --env (with --grpo-only: the teacher answers step-mode episodes only)",
+    )
     distil_groups: int = setting(44, "train tasks the teacher answers (each once)")
     distil_epochs: int = setting(2, "SFT epochs on the teacher's passing attempts")
     rs_groups: int = setting(16, "rejection sampling: tasks sampled")
@@ -193,11 +199,15 @@ def say(message: str) -> None:
 class TrainStack(LocalStack):
     """vLLM, refenv's train side, its eval side, the oracle teacher and the service (with a run log)."""
 
-    def __init__(self, out: Path, vllm: str | None, grpo_family: str | None = None) -> None:
+    def __init__(
+        self, out: Path, vllm: str | None, grpo_family: str | None = None, agent_example: bool = False
+    ) -> None:
         self.teacher_port: int | None = None  # each bound by its server, read back as it starts
         self.eval_port: int | None = None
         self.grpo_family = grpo_family
         self.family_ports: dict[str, int] = {}  # --grpo-family: its train and eval sides
+        self.agent_example = agent_example
+        self.agent_port: int | None = None
         self.runs_dir = out / "runs"
         super().__init__(
             log_dir=out / "logs",
@@ -213,6 +223,14 @@ class TrainStack(LocalStack):
 
     def family_url(self, side: str) -> str:
         return f"http://127.0.0.1:{self.family_ports[side]}"
+
+    @property
+    def urls(self) -> dict[str, str]:
+        # An agent server is just an env to the service: its URL takes refenv's place in --env.
+        urls = super().urls
+        if self.agent_port is not None:
+            urls = {**urls, "refenv": urls["env"], "env": f"http://127.0.0.1:{self.agent_port}"}
+        return urls
 
     def start(self) -> None:
         if self.vllm_url is None:
@@ -239,6 +257,10 @@ class TrainStack(LocalStack):
             # The service trains on the family's training side; its eval side is measured apart, like the public one.
             self.service_args += ["--env", self.family_url("train")]
         self.start_refenv()
+        if self.agent_example:
+            agent = [sys.executable, str(AGENT_SERVER), "--refenv", self.urls["env"], "--listen", "127.0.0.1:0"]
+            self.agent_port = self.spawn_listening("agent", agent)
+            say(f"[agent] the example SQL agent at {self.urls['env']}, lent worlds by {self.urls['refenv']}")
         self.start_service()
 
 
@@ -829,7 +851,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(settings, f.name, given)
     (args.out / "steps.jsonl").unlink(missing_ok=True)
     code = reference_report.code_commit()  # the code this run runs, whatever is checked out when it ends
-    stack = TrainStack(args.out, args.vllm, settings.grpo_family)
+    stack = TrainStack(args.out, args.vllm, settings.grpo_family, settings.agent_example)
     started = time.monotonic()
     with stack, RolloutClient(stack.urls["service"], timeout_s=3600) as client:
         run = Run(settings, stack, client)

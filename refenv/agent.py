@@ -160,7 +160,7 @@ async def run_agent(
         if kind == "answer":
             record.answer = value
             break
-        observation_text = await _execute(world, value, record)
+        observation_text, _ = await execute_sql(world, value, record)
         messages.append({"role": "user", "content": f"Result:\n{observation_text}"})
     else:
         record.finalized = True
@@ -188,13 +188,14 @@ async def run_agent(
         )
 
 
-async def _execute(world: World, sql: str, record: EpisodeRecord) -> str:
-    """Run the model's statement off the event loop; `Error: ...` when it fails or runs out of budget."""
+async def execute_sql(world: World, sql: str, record: EpisodeRecord) -> tuple[str, bool]:
+    """Run the model's statement off the event loop: (what the model is shown, whether it ran); the text
+    is `Error: ...` when it failed or ran out of budget. Step mode's actions and tool mode's run_sql both."""
     try:
         result = await world.in_thread(world.execute, sql, MAX_ROWS_SHOWN, MAX_CELL_CHARS)
     except QueryError as exc:
-        return f"Error: {exc}"
+        return f"Error: {exc}", False
     record.queries_ok += 1
     if result.changed_rows or not result.columns:
         record.writes_attempted += 1
-    return _render_result(result.columns, result.rows, result.truncated, result.changed_rows)
+    return _render_result(result.columns, result.rows, result.truncated, result.changed_rows), True

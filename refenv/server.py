@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import time
+from collections.abc import Coroutine
 from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -23,6 +24,7 @@ from refenv.grading import PROFILES, REWARD_VERSION, EpisodeRecord, failure_scor
 from refenv.support import SupportModel
 from refenv.tasks import Task
 from refenv.text import loads_clean
+from refenv.tools import ToolWorlds
 from refenv.world import WorldPool, catalog_hash, table_rows
 
 MAX_BODY_BYTES = 1 << 20
@@ -49,6 +51,21 @@ class EpisodesBody(ResetBody):
     include_trajectory: bool = False
 
 
+class SqlBody(_Body):
+    sql: str
+
+
+class Usage(_Body):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    llm_calls: int = 0
+
+
+class SubmitBody(_Body):
+    answer: str | None = None
+    usage: Usage = Usage()
+
+
 def _error(status: int, error: str, message: str = "") -> JSONResponse:
     body = {"error": error}
     if message:
@@ -56,12 +73,25 @@ def _error(status: int, error: str, message: str = "") -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-_B = TypeVar("_B", bound=_Body)
+async def _contract_error(request: Request, exc: ContractError) -> JSONResponse:
+    return _error(exc.status, exc.error, exc.message)
 
 
-async def _read_json(request: Request, model: type[_B]) -> _B:
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _error(exc.status_code, code, str(exc.detail))
+
+
+# The contract's error bodies for refenv's routes (and the example agent server's, examples/agents/).
+ERROR_HANDLERS = {ContractError: _contract_error, HTTPException: _http_error}
+
+_B = TypeVar("_B", bound=BaseModel)
+
+
+async def read_json(request: Request, model: type[_B]) -> _B:
     """Decode a body as GraphJin does: capped at 1 MiB, empty means defaults, extras ignored; a lone
-    surrogate in a string becomes U+FFFD (`clean_text`)."""
+    surrogate in a string becomes U+FFFD (`clean_text`). Errors are the contract's 400 invalid_body
+    (the example agent server, examples/agents/server.py, reads its bodies with it too)."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -107,6 +137,8 @@ class Environment:
             responder=settings.responder,
             support_ask=self.support,
         )
+        # Worlds lent to agent programs: the same pool, counters and idle deadline as step episodes.
+        self.tools = ToolWorlds(self.pool, self.pristine_rows, self.episodes.counters, settings.step_timeout_s)
 
     def find_task(self, body: ResetBody) -> Task:
         if body.task_id:
@@ -131,7 +163,8 @@ class Environment:
 
     def health(self) -> dict:
         s, counters = self.settings, self.episodes.counters
-        capabilities = {"drive_modes": ["episodes", "step"] if s.step else ["episodes"], "pool": s.pool}
+        modes = ["episodes", "step", "tools"] if s.step else ["episodes", "tools"]
+        capabilities = {"drive_modes": modes, "pool": s.pool}
         if s.split:
             capabilities["split"] = s.split
             capabilities["side"] = s.side or "train"
@@ -150,7 +183,8 @@ class Environment:
             "waiting": self.pool.waiting,
             "max_waiting": self.pool.max_waiting,
             "busy_world_seconds": round(self.pool.busy_world_seconds, 3),
-            "live_episodes": self.episodes.live,
+            "live_episodes": self.episodes.live + self.tools.live,
+            "tool_worlds": self.tools.live,
             "episodes": {
                 "started": counters.started,
                 "finished": counters.finished,
@@ -194,33 +228,67 @@ def create_app(settings: Settings) -> Starlette:
     async def tasks(request: Request) -> JSONResponse:
         return JSONResponse({"tasks": [t.public() for t in env.tasks], "count": len(env.tasks)})
 
-    async def reset(request: Request) -> JSONResponse:
-        body = await _read_json(request, ResetBody)
-        task, profile = env.find_task(body), env.profile(body)
-        answer = asyncio.create_task(env.episodes.reset(task, profile))
-        # Waiting for a world has no server-side timeout; only a driver that gives up ends it.
+    async def lease(request: Request, opening: Coroutine[None, None, dict], give_back) -> JSONResponse:
+        """The answer of a request that leases a world (a reset, a tool world's open), given back if its
+        driver left before learning its id. Waiting for a world has no server-side timeout; only a
+        driver that gives up ends it. `give_back(result)` ends what `opening` answered, if it holds a world."""
+        answer = asyncio.create_task(opening)
         while True:
             done, _ = await asyncio.wait([answer], timeout=0.5)
             if done:
                 result = answer.result()
-                if not result.get("done") and await request.is_disconnected():
-                    # The world came as its driver left: nobody would ever learn the episode's id.
+                if await request.is_disconnected():
+                    # The world came as its driver left: nobody would ever learn its id.
                     with contextlib.suppress(ContractError):
-                        await env.episodes.abandon(result["episode_id"])
-                    raise ContractError(503, "no_world_available", "the reset request was cancelled")
+                        await give_back(result)
+                    raise ContractError(503, "no_world_available", "the request was cancelled")
                 return JSONResponse(result)
             if env.pool.leased >= env.pool.size and await request.is_disconnected():
                 answer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, ContractError):
                     result = await answer
                     # It got a world as it was cancelled, but its driver is gone: give the world back.
-                    if not result.get("done"):
-                        with contextlib.suppress(ContractError):
-                            await env.episodes.abandon(result["episode_id"])
-                raise ContractError(503, "no_world_available", "the reset request was cancelled")
+                    with contextlib.suppress(ContractError):
+                        await give_back(result)
+                raise ContractError(503, "no_world_available", "the request was cancelled")
+
+    async def reset(request: Request) -> JSONResponse:
+        body = await read_json(request, ResetBody)
+        task, profile = env.find_task(body), env.profile(body)
+
+        async def give_back(result: dict) -> None:
+            if not result.get("done"):
+                await env.episodes.abandon(result["episode_id"])
+
+        return await lease(request, env.episodes.reset(task, profile), give_back)
+
+    async def tools_open(request: Request) -> JSONResponse:
+        body = await read_json(request, ResetBody)
+        task, profile = env.find_task(body), env.profile(body)
+
+        async def give_back(result: dict) -> None:
+            await env.tools.abandon(result["world_id"])
+
+        return await lease(request, env.tools.open(task, profile), give_back)
+
+    async def tools_list_tables(request: Request) -> JSONResponse:
+        await read_json(request, _Body)
+        return JSONResponse(await env.tools.list_tables(request.path_params["world_id"]))
+
+    async def tools_run_sql(request: Request) -> JSONResponse:
+        body = await read_json(request, SqlBody)
+        return JSONResponse(await env.tools.run_sql(request.path_params["world_id"], body.sql))
+
+    async def tools_submit(request: Request) -> JSONResponse:
+        body = await read_json(request, SubmitBody)
+        world_id = request.path_params["world_id"]
+        return JSONResponse(await env.tools.submit(world_id, body.answer, body.usage.model_dump()))
+
+    async def tools_abandon(request: Request) -> JSONResponse:
+        return JSONResponse(await env.tools.abandon(request.path_params["world_id"]))
 
     async def step(request: Request) -> JSONResponse:
-        body = await _read_json(request, StepBody)
+        body = await read_json(request, StepBody)
         return JSONResponse(
             await env.episodes.step(body.episode_id, Reply(body.completion, body.prompt_tokens, body.completion_tokens))
         )
@@ -229,7 +297,7 @@ def create_app(settings: Settings) -> Starlette:
         return JSONResponse(await env.episodes.abandon(request.path_params["episode_id"]))
 
     async def episodes(request: Request) -> JSONResponse:
-        body = await _read_json(request, EpisodesBody)
+        body = await read_json(request, EpisodesBody)
         if settings.step:
             raise ContractError(
                 409,
@@ -241,21 +309,16 @@ def create_app(settings: Settings) -> Starlette:
             raise ContractError(400, "no_model", "hosted mode needs --support-model URL,NAME")
         return JSONResponse(await _hosted_episode(env, env.find_task(body), env.profile(body), body.include_trajectory))
 
-    async def contract_error(request: Request, exc: ContractError) -> JSONResponse:
-        return _error(exc.status, exc.error, exc.message)
-
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _error(exc.status_code, code, str(exc.detail))
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        reaper = asyncio.create_task(env.episodes.reap_forever())
+        reapers = [asyncio.create_task(env.episodes.reap_forever()), asyncio.create_task(env.tools.reap_forever())]
         try:
             yield
         finally:
-            reaper.cancel()
+            for reaper in reapers:
+                reaper.cancel()
             await env.episodes.shutdown()
+            await env.tools.shutdown()
             if env.support is not None:
                 await env.support.aclose()
 
@@ -267,8 +330,13 @@ def create_app(settings: Settings) -> Starlette:
             Route("/step/reset", reset, methods=["POST"]),
             Route("/step", step, methods=["POST"]),
             Route("/step/{episode_id}", abandon, methods=["DELETE"]),
+            Route("/tools/open", tools_open, methods=["POST"]),
+            Route("/tools/{world_id}/list_tables", tools_list_tables, methods=["POST"]),
+            Route("/tools/{world_id}/run_sql", tools_run_sql, methods=["POST"]),
+            Route("/tools/{world_id}/submit", tools_submit, methods=["POST"]),
+            Route("/tools/{world_id}", tools_abandon, methods=["DELETE"]),
         ],
-        exception_handlers={ContractError: contract_error, HTTPException: http_error},  # type: ignore[dict-item]
+        exception_handlers=ERROR_HANDLERS,  # type: ignore[arg-type]
         lifespan=lifespan,
     )
     app.state.env = env

@@ -183,7 +183,7 @@ def check_commands(snippet: Snippet) -> list[str]:
             except SystemExit as exc:
                 if exc.code:
                     problems.append(f"{snippet.where}: `{' '.join(words)}`: {refused.getvalue().strip()}")
-        elif program.startswith("python") and len(words) > 1 and re.fullmatch(r"(bench|examples)/\w+\.py", words[1]):
+        elif program.startswith("python") and len(words) > 1 and re.fullmatch(r"(bench|examples)/[\w/]+\.py", words[1]):
             done = subprocess.run(
                 [sys.executable, "-c", PARSE_ONLY, *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120
             )

@@ -225,6 +225,7 @@ def test_a_batch_answer_that_ends_before_its_first_line_still_cancels_its_groups
     import asyncio
 
     from rollout_service.server.groups.streaming import HeldResults, batch_answer
+    from rollout_service.server.groups.window import AnswerWindow
 
     class Admission:  # counts as rollout_service.server.groups.admission.Admission does
         def __init__(self) -> None:
@@ -260,7 +261,7 @@ def test_a_batch_answer_that_ends_before_its_first_line_still_cancels_its_groups
             await asyncio.sleep(0)  # the server's send yields (its writes paused)
 
         request = type("Request", (), {"receive": staticmethod(receive)})()
-        response = batch_answer(request, admission, tasks, [4, 4], held, 5.0)  # type: ignore[arg-type]
+        response = batch_answer(request, admission, tasks, [4, 4], held, AnswerWindow(2), 5.0)  # type: ignore[arg-type]
         scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
         await response(scope, receive, send)  # type: ignore[arg-type]
         release.set()  # a group that was not cancelled would finish now, and be held for nobody
