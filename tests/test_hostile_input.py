@@ -45,7 +45,11 @@ def fuzz(url: str, paths) -> int:
                 assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
                 if response.status_code >= 400:
                     body = response.json()
-                    assert body.get("error") and body.get("message"), body
+                    error = body.get("error")
+                    if case.path.startswith("/agent/"):  # OpenAI's error shape: what an agent's client reads
+                        assert isinstance(error, dict) and error.get("message") and error.get("code"), body
+                    else:
+                        assert error and body.get("message"), body
 
             try:
                 check()
