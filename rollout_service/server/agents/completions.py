@@ -76,8 +76,7 @@ def _sampling(session: AgentSession, call: ChatRequest) -> dict[str, Any]:
     if call.stop:
         session.adjusted("stop strings: the group's")
     sampling = group.model_dump()
-    left = session.max_tokens_total - session.sampled
-    sampling["max_tokens"] = min(asked_tokens or group.max_tokens, left)
+    sampling["max_tokens"] = asked_tokens or group.max_tokens  # cut to the budget left in the call's turn
     return sampling
 
 
@@ -94,6 +93,8 @@ async def take_turn(session: AgentSession, call: ChatRequest) -> tuple[Turn, Par
             why = f"the agent asked for more than max_turns={request.max_turns} completions"
             session.fail(TooManyTurns(why))
             raise session.refuse(429, "max_turns", why + "; the attempt has ended")
+        # What is left now, not when the call came: calls queued behind this lock sample in turn.
+        sampling["max_tokens"] = min(sampling["max_tokens"], session.max_tokens_total - session.sampled)
         if sampling["max_tokens"] < 1:
             why = f"the agent's turns sampled its whole token budget (max_tokens_total={session.max_tokens_total})"
             session.fail(TooManyTurns(why))
@@ -123,20 +124,16 @@ async def take_turn(session: AgentSession, call: ChatRequest) -> tuple[Turn, Par
         return turn, parsed
 
 
-def _tool_calls(parsed: ParsedText, ids: list[str]) -> list[dict[str, Any]]:
-    return [
-        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-        for call_id, (name, arguments) in zip(ids, parsed.calls, strict=True)
-    ]
-
-
 def answer(session: AgentSession, turn: Turn, parsed: ParsedText, model: str) -> dict[str, Any]:
     """The turn as OpenAI's chat completion; the message remembered to be put back as sampled."""
-    ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in parsed.calls]
-    session.returned[returned_key(parsed.content, ids)] = turn.completion
+    calls = [(f"call_{uuid.uuid4().hex[:24]}", name, arguments) for name, arguments in parsed.calls]
+    session.returned[returned_key(parsed.content, calls)] = turn.completion
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.calls:
-        message["tool_calls"] = _tool_calls(parsed, ids)
+    if calls:
+        message["tool_calls"] = [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            for call_id, name, arguments in calls
+        ]
     finish = "tool_calls" if parsed.calls else ("length" if turn.finish_reason == "length" else "stop")
     return {
         "id": f"chatcmpl-{session.attempt_id}-{turn.index}",
