@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 
 import httpx
+import pytest
 from helpers import wait_until
 from test_agents import SAMPLING, counters, start_agent  # noqa: F401  (a fixture)
 
@@ -87,3 +88,70 @@ def test_concurrent_calls_of_one_attempt_stay_within_its_token_budget(start_agen
     sampled = sum(t["completion_tokens"] for t in attempt["turns"])
     assert sampled <= 12, (sampled, statuses, attempt["turns"])
     assert attempt["failure"]["kind"] in ("max_turns", "deadline"), attempt["failure"]
+
+
+def test_a_trainer_that_leaves_and_a_service_that_stops_end_every_run(start_agent, start_service):  # noqa: F811
+    """The trainer hangs up while both runs wait (the group cancelled): each run gets DELETE /run/{id}
+    (the agent server's own record), its world is back, and its token then answers 410. Then a
+    service stopped (SIGTERM) with runs in flight: each of those runs is ended too.
+    Break seen failing: lane.episode not setting attempt.episode_id before POST /run -> no DELETE
+    /run was sent, both runs kept running (`deleted` empty after 30 s)."""
+    agent = start_agent("slow")
+    service = start_service([agent.url])
+    body = {"task_id": "count-1", "n": 2, "sampling": SAMPLING, "timeout_s": 120, "retries": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{service.url}/groups", json=body, timeout=4)
+    ids = sorted(counters(agent)["tokens"])
+    assert len(ids) == 2
+    assert wait_until(lambda: sorted(counters(agent)["deleted"]) == ids, timeout_s=30), counters(agent)
+    assert wait_until(lambda: counters(agent)["running"] == 0, timeout_s=30)
+    assert wait_until(lambda: httpx.get(f"{service.url}/envs", timeout=10).json()[0]["held"] == 0, timeout_s=30)
+    base_url, token = counters(agent)["tokens"][ids[0]]
+    late = httpx.post(
+        f"{base_url}/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        headers={"authorization": f"Bearer {token}"},
+        timeout=30,
+    )
+    assert late.status_code == 410 and late.json()["error"]["code"] == "attempt_ended", late.text
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(httpx.post, f"{service.url}/groups", json=body, timeout=120)
+        assert wait_until(lambda: counters(agent)["running"] == 2, timeout_s=30), counters(agent)
+        running = sorted(set(counters(agent)["tokens"]) - set(ids))
+        service.proc.stop()
+    assert sorted(set(counters(agent)["deleted"]) - set(ids)) == running, counters(agent)
+    assert counters(agent)["running"] == 0
+
+
+def test_sampling_fields_the_service_does_not_apply_are_recorded_on_the_attempt(start_agent, start_service):  # noqa: F811
+    """logprobs, top_logprobs, logit_bias, presence and frequency penalties and seed in a call: the
+    turn samples as the group does (200), and the attempt says which of the call's fields were not
+    applied (the contract: over-asking is refused or replaced, "and the attempt records which").
+    Break seen failing: the fields read as unknown ones (ignored unsaid, as before this test) ->
+    `adjusted` empty."""
+    agent = start_agent("slow")
+    service = start_service([agent.url])
+    body = {"task_id": "count-1", "n": 1, "sampling": SAMPLING, "timeout_s": 8, "retries": 0}
+    call = {
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 4,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "logit_bias": {"42": 100},
+        "presence_penalty": 1.5,
+        "frequency_penalty": 0.0,
+        "seed": 3,
+    }
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        group = pool.submit(httpx.post, f"{service.url}/groups", json=body, timeout=120)
+        assert wait_until(lambda: counters(agent)["tokens"], timeout_s=30)
+        ((base_url, token),) = counters(agent)["tokens"].values()
+        own = {"authorization": f"Bearer {token}"}
+        served = httpx.post(f"{base_url}/chat/completions", json=call, headers=own, timeout=60)
+        assert served.status_code == 200, served.text
+        (attempt,) = group.result().json()["attempts"]
+    adjusted = " ".join(attempt["agent"]["adjusted"])
+    for name in ("logprobs", "top_logprobs", "logit_bias", "presence_penalty", "seed"):
+        assert name in adjusted, attempt["agent"]
+    assert "frequency_penalty" not in adjusted  # its default asks for nothing the group lacks

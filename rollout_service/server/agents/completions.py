@@ -5,7 +5,8 @@ one (`AttemptRun._turn`: the attempt's replica, its policy version or pin, token
 from its trajectory), then recorded on the attempt and answered in OpenAI's form, the tool calls
 read from the sampled text. What the call may ask is the group's: a larger max_tokens, a higher
 temperature or top_p, n > 1 are refused (400); a lower temperature or top_p, or stop strings, are
-replaced by the group's (recorded in `attempt.agent.adjusted`), so every turn samples as its group.
+replaced by the group's, and logprobs, penalties, logit_bias, seed are not applied (each recorded in
+`attempt.agent.adjusted`), so every turn samples as its group.
 """
 
 from __future__ import annotations
@@ -43,6 +44,30 @@ class ChatRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     stream: bool = False
+    # Sampling the group's does not take: not applied, and said on the attempt (`_UNAPPLIED`).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+
+
+# The values of those fields that ask for nothing (OpenAI's and vLLM's defaults); any other is recorded.
+_UNAPPLIED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "seed": (),
+    "top_k": (0, -1),
+    "min_p": (0,),
+}
 
 
 def parse_request(body: bytes) -> ChatRequest:
@@ -75,6 +100,10 @@ def _sampling(session: AgentSession, call: ChatRequest) -> dict[str, Any]:
         session.adjusted(f"top_p {call.top_p:g} -> {group.top_p:g}")
     if call.stop:
         session.adjusted("stop strings: the group's")
+    for name, asks_nothing in _UNAPPLIED.items():
+        value = getattr(call, name)
+        if value is not None and value not in asks_nothing:
+            session.adjusted(f"{name}: not applied (the group's sampling)")
     sampling = group.model_dump()
     sampling["max_tokens"] = asked_tokens or group.max_tokens  # cut to the budget left in the call's turn
     return sampling
