@@ -155,3 +155,27 @@ def test_sampling_fields_the_service_does_not_apply_are_recorded_on_the_attempt(
     for name in ("logprobs", "top_logprobs", "logit_bias", "presence_penalty", "seed"):
         assert name in adjusted, attempt["agent"]
     assert "frequency_penalty" not in adjusted  # its default asks for nothing the group lacks
+
+
+def test_calls_queued_behind_the_call_that_ended_the_attempt_are_told_it_ended(start_agent, start_service):  # noqa: F811
+    """Three calls at once on an attempt with max_turns=1: one turn, the call past it 429 max_turns
+    (which ends the attempt), and the call queued behind that one 410 attempt_ended: it is not served
+    (nor a model call started for it) on an attempt already failed, nor counted as a second refusal.
+    Break seen failing: take_turn checking only `session.open` (the code before), which the lane
+    clears a moment after the failing call -> the queued call is a second 429 max_turns, refused 2."""
+    agent = start_agent("slow")
+    service = start_service([agent.url])
+    body = {"task_id": "count-1", "n": 1, "sampling": SAMPLING, "max_turns": 1, "timeout_s": 30, "retries": 0}
+    call = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        group = pool.submit(httpx.post, f"{service.url}/groups", json=body, timeout=120)
+        assert wait_until(lambda: counters(agent)["tokens"], timeout_s=30)
+        ((base_url, token),) = counters(agent)["tokens"].values()
+        own = {"authorization": f"Bearer {token}"}
+        url = f"{base_url}/chat/completions"
+        calls = [pool.submit(httpx.post, url, json=call, headers=own, timeout=60) for _ in range(3)]
+        answers = sorted((c.result().status_code, c.result().json().get("error", {}).get("code")) for c in calls)
+        (attempt,) = group.result().json()["attempts"]
+    assert answers == [(200, None), (410, "attempt_ended"), (429, "max_turns")], answers
+    assert attempt["failure"]["kind"] == "max_turns" and attempt["agent"]["refused"] == 1, attempt["agent"]
+    assert len(attempt["turns"]) == 1

@@ -116,7 +116,9 @@ async def take_turn(session: AgentSession, call: ChatRequest) -> tuple[Turn, Par
     request = run.group.request
     sampling = _sampling(session, call)
     async with session.lock:
-        if not session.open:
+        # `failed`, not only `open`: a call queued behind the one that ended the try runs before the
+        # lane has closed it, and must not start a turn on an attempt already failed.
+        if not session.open or session.failed.done():
             raise AgentRefused(410, "attempt_ended", f"attempt {session.attempt_id} has ended")
         if len(attempt.turns) >= request.max_turns:
             why = f"the agent asked for more than max_turns={request.max_turns} completions"
