@@ -141,6 +141,8 @@ def normalize_response_format(response_format: Any) -> dict | None:
 
 _TOKEN_ID_PREFIX = "token_id:"
 _TOKEN_ID_QUOTED = b'"token_id:'
+# The bytes of a string's quotes and prefix: taken out in one pass (bytes.translate), they leave the ids.
+_TOKEN_ID_BYTES = bytes(set(_TOKEN_ID_QUOTED))
 
 
 class _ChatLogprob(msgspec.Struct):
@@ -189,20 +191,25 @@ def _present(raw: msgspec.Raw) -> bool:
 def _ids_of_tokens(tokens: msgspec.Raw) -> list[int]:
     """The ids of a completion's logprobs tokens as vLLM writes them with `return_tokens_as_token_ids`
     ("token_id:42"), read from the array's JSON: with each string's quotes and prefix taken out it is
-    the array of ids, decoded in C. A Python loop over a 1024-token turn's strings took ~0.2 ms.
+    the array of ids, decoded in C. A Python loop over a 1024-token turn's strings took ~0.2 ms, and
+    taking the prefixes out with bytes.replace ~0.06 ms, twice what the rest costs.
     Any other form (an escape in a token, say) is read string by string."""
     body = bytes(tokens)
     prefixed = body.count(_TOKEN_ID_QUOTED)
-    # Each string is one token that begins with the prefix: as many prefixes as strings (two quotes
-    # each, no escaped quote inside), and the ids as many as the strings.
-    if prefixed * 2 == body.count(b'"') and b"\\" not in body:
-        try:
-            ids = _IDS.decode(body.replace(_TOKEN_ID_QUOTED, b"").replace(b'"', b""))
-        except msgspec.DecodeError:
-            pass
-        else:
-            if len(ids) == prefixed:
-                return ids
+    if b"\\" not in body:  # no escaped quote: every quote opens or closes a string
+        ids_json = body.translate(None, _TOKEN_ID_BYTES)
+        # Each prefix opens a string of its own (JSON has nothing but `,`, `]` or blanks after a closing
+        # quote), so there are at least as many strings, each with a closing quote. What translate took
+        # out is exactly the prefixes and one closing quote each only if it is 11 bytes a prefix: then
+        # the strings are as many as the prefixes, each the prefix and then what the ids are read from.
+        if len(body) - len(ids_json) == prefixed * (len(_TOKEN_ID_QUOTED) + 1):
+            try:
+                ids = _IDS.decode(ids_json)
+            except msgspec.DecodeError:
+                pass
+            else:
+                if len(ids) == prefixed:
+                    return ids
     return _ids_of_token_strings(msgspec.json.decode(body, type=list[str]))
 
 

@@ -52,8 +52,11 @@ class JsonList(list):
 
     def json(self) -> orjson.Fragment | None:
         """The list's JSON for orjson to copy as it is; None when the list has changed since."""
-        items = self._items_json()
-        return None if items is None else orjson.Fragment(b"".join((b"[", items, b"]")))
+        if len(self) != self._count:
+            return None
+        # Joined from a view: the items' JSON copied once, not twice.
+        with memoryview(self._body) as body, body[: self._upto] as items:
+            return orjson.Fragment(b"".join((b"[", items, b"]")))
 
     def _items_json(self) -> bytearray | None:
         """The JSON of the items without the brackets (a copy); None when the list has changed since."""

@@ -50,6 +50,13 @@ def one_line(body: bytes) -> bytes:
     return body
 
 
+def group_line(head: bytes, body: bytes) -> bytes:
+    """A stream's line for a group: `head` (the line's JSON up to the group, `{"index": 3, "group": `),
+    the group's JSON `body`, the closing brace and the line's end. Joined: bytes' %-formatting copied
+    a 1 MB group ~25x slower (~0.6 ms a group)."""
+    return b"".join((head, body, b"}\n"))
+
+
 @dataclass(frozen=True, slots=True)
 class GroupOutcome:
     """A finished group as Admission hands it on: the typed result for the service's own readers (the

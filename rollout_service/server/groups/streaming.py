@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ...listening import abort_connection
+from .group_json import group_line
 
 if TYPE_CHECKING:
     from .admission import Admission
@@ -187,10 +188,10 @@ class BatchLines:
                     elif (exc := task.exception()) is not None:
                         line = _error_line(index, "group_failed", f"{type(exc).__name__}: {exc}")
                     else:  # ~1 MB for 8 exact attempts: copied once here
-                        line = b'{"index": %d, "group": %b}' % (index, task.result().body)
+                        line = group_line(b'{"index": %d, "group": ' % index, task.result().body)
                         sent = sizes[index]
                     del task
-                    yield line + b"\n"
+                    yield line
                     held.release(sent)
         finally:
             watcher.cancel()
@@ -219,4 +220,4 @@ def batch_answer(
 
 
 def _error_line(index: int, error: str, message: str) -> bytes:
-    return json.dumps({"index": index, "error": {"error": error, "message": message[:500]}}).encode()
+    return json.dumps({"index": index, "error": {"error": error, "message": message[:500]}}).encode() + b"\n"

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from ...protocol import ErrorBody
 from ...sampler_protocol import SampleRequest, StreamCreate, StreamPull, StreamState, TaskStats
+from ..groups.group_json import group_line
 from ..groups.streaming import BoundedStream, HeldResults
 from ..sampler.sampler import Sampler
 from ..sampler.streams import dropped_line, sample_summary, summary_line
@@ -57,7 +58,7 @@ async def _sample_lines(sampler: Sampler, count: int, held: HeldResults) -> Asyn
                 break
             if item.body is not None:
                 sampler.count_kept()
-                line = b'{"group": %b}\n' % item.body
+                line = group_line(b'{"group": ', item.body)
                 attempts = item.attempts
                 del item
                 yield line

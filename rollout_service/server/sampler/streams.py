@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from ...sampler_protocol import DroppedGroup, SampleSummary, StreamCreate, StreamState
 from ..errors import Conflict, Gone, NotFound
 from ..groups.admission import Admission
-from ..groups.group_json import one_line
+from ..groups.group_json import group_line, one_line
 from ..groups.streaming import HeldResults
 from ..lifecycle import Lifecycle
 from ..membership.envs import EnvRegistry
@@ -224,7 +224,7 @@ class SamplerStream:
                         self._tell(self._drop_stale(item, lag))
                         continue
                     assert item.body is not None
-                    line = b'{"lag": %d, "group": %b}\n' % (lag, item.body)
+                    line = group_line(b'{"lag": %d, "group": ' % lag, item.body)
                     task_id, group_id, attempts = item.task_id, item.group_id, item.attempts
                     tokens = item.completion_tokens
                     del item
