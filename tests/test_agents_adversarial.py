@@ -40,6 +40,17 @@ def _rendered(message: dict) -> str:
     return template_messages(messages, None, _returned())[1]["content"]
 
 
+def _waiting_run(launch_agent, launch_service, body: dict, pool) -> tuple[concurrent.futures.Future, str, dict]:
+    """A group of one attempt on a `slow` agent server, whose run waits while the test calls its
+    endpoint: (the group's answer to come, the endpoint's chat completions URL, the token's header)."""
+    agent = launch_agent("slow")
+    service = launch_service([agent.url])
+    group = pool.submit(httpx.post, f"{service.url}/groups", json=body, timeout=120)
+    assert wait_until(lambda: counters(agent)["tokens"], timeout_s=30)
+    ((base_url, token),) = counters(agent)["tokens"].values()
+    return group, f"{base_url}/chat/completions", {"authorization": f"Bearer {token}"}
+
+
 def test_a_returned_tool_call_sent_back_unchanged_is_put_back_as_sampled():
     """The arguments as returned, or the same JSON written again with other spacing or key order (a
     framework that parses and re-serializes them): the sampled text, so the trajectory goes on."""
@@ -72,16 +83,10 @@ def test_concurrent_calls_of_one_attempt_stay_within_its_token_budget(start_agen
     Break seen failing: each call's max_tokens cut to the budget left when the call arrived (before
     waiting for the attempt's turn, as before this test) -> the queued calls each sampled up to 12
     tokens, 4 turns and 48 tokens against a budget of 12."""
-    agent = start_agent("slow")
-    service = start_service([agent.url])
     body = {"task_id": "count-1", "n": 1, "sampling": SAMPLING, "max_tokens_total": 12, "timeout_s": 30, "retries": 0}
     call = {"messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."}]}
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        group = pool.submit(httpx.post, f"{service.url}/groups", json=body, timeout=120)
-        assert wait_until(lambda: counters(agent)["tokens"], timeout_s=30)
-        ((base_url, token),) = counters(agent)["tokens"].values()
-        own = {"authorization": f"Bearer {token}"}
-        url = f"{base_url}/chat/completions"
+        group, url, own = _waiting_run(start_agent, start_service, body, pool)
         calls = [pool.submit(httpx.post, url, json=call, headers=own, timeout=60) for _ in range(4)]
         statuses = sorted(c.result().status_code for c in calls)
         (attempt,) = group.result().json()["attempts"]
@@ -130,8 +135,6 @@ def test_sampling_fields_the_service_does_not_apply_are_recorded_on_the_attempt(
     applied (the contract: over-asking is refused or replaced, "and the attempt records which").
     Break seen failing: the fields read as unknown ones (ignored unsaid, as before this test) ->
     `adjusted` empty."""
-    agent = start_agent("slow")
-    service = start_service([agent.url])
     body = {"task_id": "count-1", "n": 1, "sampling": SAMPLING, "timeout_s": 8, "retries": 0}
     call = {
         "messages": [{"role": "user", "content": "Say hi."}],
@@ -144,11 +147,8 @@ def test_sampling_fields_the_service_does_not_apply_are_recorded_on_the_attempt(
         "seed": 3,
     }
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        group = pool.submit(httpx.post, f"{service.url}/groups", json=body, timeout=120)
-        assert wait_until(lambda: counters(agent)["tokens"], timeout_s=30)
-        ((base_url, token),) = counters(agent)["tokens"].values()
-        own = {"authorization": f"Bearer {token}"}
-        served = httpx.post(f"{base_url}/chat/completions", json=call, headers=own, timeout=60)
+        group, url, own = _waiting_run(start_agent, start_service, body, pool)
+        served = httpx.post(url, json=call, headers=own, timeout=60)
         assert served.status_code == 200, served.text
         (attempt,) = group.result().json()["attempts"]
     adjusted = " ".join(attempt["agent"]["adjusted"])
@@ -163,16 +163,10 @@ def test_calls_queued_behind_the_call_that_ended_the_attempt_are_told_it_ended(s
     (nor a model call started for it) on an attempt already failed, nor counted as a second refusal.
     Break seen failing: take_turn checking only `session.open` (the code before), which the lane
     clears a moment after the failing call -> the queued call is a second 429 max_turns, refused 2."""
-    agent = start_agent("slow")
-    service = start_service([agent.url])
     body = {"task_id": "count-1", "n": 1, "sampling": SAMPLING, "max_turns": 1, "timeout_s": 30, "retries": 0}
     call = {"messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        group = pool.submit(httpx.post, f"{service.url}/groups", json=body, timeout=120)
-        assert wait_until(lambda: counters(agent)["tokens"], timeout_s=30)
-        ((base_url, token),) = counters(agent)["tokens"].values()
-        own = {"authorization": f"Bearer {token}"}
-        url = f"{base_url}/chat/completions"
+        group, url, own = _waiting_run(start_agent, start_service, body, pool)
         calls = [pool.submit(httpx.post, url, json=call, headers=own, timeout=60) for _ in range(3)]
         answers = sorted((c.result().status_code, c.result().json().get("error", {}).get("code")) for c in calls)
         (attempt,) = group.result().json()["attempts"]
