@@ -130,11 +130,12 @@ def test_a_trainer_that_leaves_and_a_service_that_stops_end_every_run(start_agen
 
 
 def test_sampling_fields_the_service_does_not_apply_are_recorded_on_the_attempt(start_agent, start_service):  # noqa: F811
-    """logprobs, top_logprobs, logit_bias, presence and frequency penalties and seed in a call: the
-    turn samples as the group does (200), and the attempt says which of the call's fields were not
-    applied (the contract: over-asking is refused or replaced, "and the attempt records which").
-    Break seen failing: the fields read as unknown ones (ignored unsaid, as before this test) ->
-    `adjusted` empty."""
+    """logprobs, top_logprobs, logit_bias, presence and frequency penalties, seed and a tool_choice
+    that forces a call: the turn samples as the group does (200), and the attempt says which of the
+    call's fields were not applied (the contract: over-asking is refused or replaced, "and the
+    attempt records which").
+    Breaks seen failing: the fields read as unknown ones (ignored unsaid, as before this test) ->
+    `adjusted` empty; tool_choice "required" not recorded -> no tool_choice in `adjusted`."""
     body = {"task_id": "count-1", "n": 1, "sampling": SAMPLING, "timeout_s": 8, "retries": 0}
     call = {
         "messages": [{"role": "user", "content": "Say hi."}],
@@ -145,6 +146,8 @@ def test_sampling_fields_the_service_does_not_apply_are_recorded_on_the_attempt(
         "presence_penalty": 1.5,
         "frequency_penalty": 0.0,
         "seed": 3,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": "required",
     }
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         group, url, own = _waiting_run(start_agent, start_service, body, pool)
@@ -152,7 +155,7 @@ def test_sampling_fields_the_service_does_not_apply_are_recorded_on_the_attempt(
         assert served.status_code == 200, served.text
         (attempt,) = group.result().json()["attempts"]
     adjusted = " ".join(attempt["agent"]["adjusted"])
-    for name in ("logprobs", "top_logprobs", "logit_bias", "presence_penalty", "seed"):
+    for name in ("logprobs", "top_logprobs", "logit_bias", "presence_penalty", "seed", "tool_choice"):
         assert name in adjusted, attempt["agent"]
     assert "frequency_penalty" not in adjusted  # its default asks for nothing the group lacks
 

@@ -100,6 +100,8 @@ def _sampling(session: AgentSession, call: ChatRequest) -> dict[str, Any]:
         session.adjusted(f"top_p {call.top_p:g} -> {group.top_p:g}")
     if call.stop:
         session.adjusted("stop strings: the group's")
+    if call.tools and call.tool_choice not in (None, "auto", "none"):  # "required" or a named function
+        session.adjusted("tool_choice: not applied (the model chooses whether to call)")
     for name, asks_nothing in _UNAPPLIED.items():
         value = getattr(call, name)
         if value is not None and value not in asks_nothing:
