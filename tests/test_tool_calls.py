@@ -39,7 +39,7 @@ def test_messages_are_rendered_in_the_hermes_convention_and_returned_turns_put_b
     Break tried: the returned message looked up without its tool call ids -> rendered from the parsed
     call (`render_tool_call`), not the sampled text."""
     sampled = '<tool_call>{"name":"list_tables","arguments":{}}</tool_call>'
-    returned = {returned_key(None, ["call_1"]): sampled}
+    returned = {returned_key(None, [("call_1", "list_tables", "{}")]): sampled}
     tools = [{"type": "function", "function": {"name": "list_tables", "parameters": {}}}]
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Which "}, {"type": "text", "text": "tables?"}]},

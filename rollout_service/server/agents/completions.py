@@ -5,7 +5,8 @@ one (`AttemptRun._turn`: the attempt's replica, its policy version or pin, token
 from its trajectory), then recorded on the attempt and answered in OpenAI's form, the tool calls
 read from the sampled text. What the call may ask is the group's: a larger max_tokens, a higher
 temperature or top_p, n > 1 are refused (400); a lower temperature or top_p, or stop strings, are
-replaced by the group's (recorded in `attempt.agent.adjusted`), so every turn samples as its group.
+replaced by the group's, and logprobs, penalties, logit_bias, seed are not applied (each recorded in
+`attempt.agent.adjusted`), so every turn samples as its group.
 """
 
 from __future__ import annotations
@@ -43,6 +44,30 @@ class ChatRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     stream: bool = False
+    # Sampling the group's does not take: not applied, and said on the attempt (`_UNAPPLIED`).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+
+
+# The values of those fields that ask for nothing (OpenAI's and vLLM's defaults); any other is recorded.
+_UNAPPLIED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "seed": (),
+    "top_k": (0, -1),
+    "min_p": (0,),
+}
 
 
 def parse_request(body: bytes) -> ChatRequest:
@@ -75,9 +100,14 @@ def _sampling(session: AgentSession, call: ChatRequest) -> dict[str, Any]:
         session.adjusted(f"top_p {call.top_p:g} -> {group.top_p:g}")
     if call.stop:
         session.adjusted("stop strings: the group's")
+    if call.tools and call.tool_choice not in (None, "auto", "none"):  # "required" or a named function
+        session.adjusted("tool_choice: not applied (the model chooses whether to call)")
+    for name, asks_nothing in _UNAPPLIED.items():
+        value = getattr(call, name)
+        if value is not None and value not in asks_nothing:
+            session.adjusted(f"{name}: not applied (the group's sampling)")
     sampling = group.model_dump()
-    left = session.max_tokens_total - session.sampled
-    sampling["max_tokens"] = min(asked_tokens or group.max_tokens, left)
+    sampling["max_tokens"] = asked_tokens or group.max_tokens  # cut to the budget left in the call's turn
     return sampling
 
 
@@ -88,12 +118,16 @@ async def take_turn(session: AgentSession, call: ChatRequest) -> tuple[Turn, Par
     request = run.group.request
     sampling = _sampling(session, call)
     async with session.lock:
-        if not session.open:
+        # `failed`, not only `open`: a call queued behind the one that ended the try runs before the
+        # lane has closed it, and must not start a turn on an attempt already failed.
+        if not session.open or session.failed.done():
             raise AgentRefused(410, "attempt_ended", f"attempt {session.attempt_id} has ended")
         if len(attempt.turns) >= request.max_turns:
             why = f"the agent asked for more than max_turns={request.max_turns} completions"
             session.fail(TooManyTurns(why))
             raise session.refuse(429, "max_turns", why + "; the attempt has ended")
+        # What is left now, not when the call came: calls queued behind this lock sample in turn.
+        sampling["max_tokens"] = min(sampling["max_tokens"], session.max_tokens_total - session.sampled)
         if sampling["max_tokens"] < 1:
             why = f"the agent's turns sampled its whole token budget (max_tokens_total={session.max_tokens_total})"
             session.fail(TooManyTurns(why))
@@ -123,20 +157,16 @@ async def take_turn(session: AgentSession, call: ChatRequest) -> tuple[Turn, Par
         return turn, parsed
 
 
-def _tool_calls(parsed: ParsedText, ids: list[str]) -> list[dict[str, Any]]:
-    return [
-        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-        for call_id, (name, arguments) in zip(ids, parsed.calls, strict=True)
-    ]
-
-
 def answer(session: AgentSession, turn: Turn, parsed: ParsedText, model: str) -> dict[str, Any]:
     """The turn as OpenAI's chat completion; the message remembered to be put back as sampled."""
-    ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in parsed.calls]
-    session.returned[returned_key(parsed.content, ids)] = turn.completion
+    calls = [(f"call_{uuid.uuid4().hex[:24]}", name, arguments) for name, arguments in parsed.calls]
+    session.returned[returned_key(parsed.content, calls)] = turn.completion
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-    if parsed.calls:
-        message["tool_calls"] = _tool_calls(parsed, ids)
+    if calls:
+        message["tool_calls"] = [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            for call_id, name, arguments in calls
+        ]
     finish = "tool_calls" if parsed.calls else ("length" if turn.finish_reason == "length" else "stop")
     return {
         "id": f"chatcmpl-{session.attempt_id}-{turn.index}",

@@ -1,9 +1,10 @@
 """An agent's OpenAI messages as the chat template's plain messages (role, text content).
 
 Three things are done so that the render is what the model saw and what it sampled:
-- an assistant message the service returned (matched by its content and tool call ids) is put back
-  as the text the model sampled, tool call tags and all, so the trajectory goes on from the sampled
-  tokens instead of a re-render of the parsed call;
+- an assistant message the service returned (matched by its content and tool calls: ids, names and
+  arguments, the arguments compared as JSON) is put back as the text the model sampled, tool call
+  tags and all, so the trajectory goes on from the sampled tokens instead of a re-render of the
+  parsed call; one whose calls the agent changed is rendered as the agent sent it;
 - `tools` go into the system message, and `tool` results into user turns, in the Hermes convention
   (backends/tool_calls.py), for a template without tool support of its own;
 - content given as parts is joined to its text; other parts (images) are refused.
@@ -11,6 +12,7 @@ Three things are done so that the render is what the model saw and what it sampl
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ...backends.tool_calls import render_tool_call, tool_result, tools_instruction
@@ -18,12 +20,21 @@ from .sessions import AgentRefused
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
-ReturnedKey = tuple[str, tuple[str, ...]]
+ReturnedKey = tuple[str, tuple[tuple[str, str, str], ...]]
 
 
-def returned_key(content: str | None, call_ids: list[str]) -> ReturnedKey:
-    """How an assistant message the service returned is known again when the agent sends it back."""
-    return (content or "", tuple(call_ids))
+def returned_key(content: str | None, calls: list[tuple[str, str, str]]) -> ReturnedKey:
+    """How an assistant message the service returned is known again when the agent sends it back: its
+    content and its calls (id, name, arguments). Arguments changed by the agent make it another message
+    (rendered as sent), the same arguments re-serialized (spacing, key order) do not."""
+    return (content or "", tuple((call_id, name, _canonical(arguments)) for call_id, name, arguments in calls))
+
+
+def _canonical(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except ValueError:
+        return arguments  # not JSON: compared as the text it is
 
 
 def text_of(content: Any, where: str) -> str:
@@ -53,7 +64,9 @@ def _calls_of(message: dict[str, Any], where: str) -> list[tuple[str, str, str]]
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise AgentRefused(400, "invalid_request", f"{where}: a tool call without function.name")
         arguments = function.get("arguments")
-        read.append((str(call.get("id", "")), function["name"], arguments if isinstance(arguments, str) else ""))
+        if not isinstance(arguments, str):  # an object where OpenAI's wire form has its JSON string
+            arguments = "" if arguments is None else json.dumps(arguments, ensure_ascii=False)
+        read.append((str(call.get("id", "")), function["name"], arguments))
     return read
 
 
@@ -71,7 +84,7 @@ def template_messages(
         text = text_of(message.get("content"), where)
         if role == "assistant":
             calls = _calls_of(message, where)
-            sampled = returned.get(returned_key(text, [c[0] for c in calls]))
+            sampled = returned.get(returned_key(text, calls))
             if sampled is None:  # written by the agent itself: as the model would have written it
                 sampled = "\n".join([text, *(render_tool_call(name, args) for _, name, args in calls)]).strip("\n")
             out.append({"role": "assistant", "content": sampled})

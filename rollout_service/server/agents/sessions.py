@@ -51,9 +51,9 @@ class AgentSession:
     # Set when a call ends the try (max_turns, the token budget, a model failure): the lane raises it.
     failed: asyncio.Future[BaseException] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     calls: set[asyncio.Task[Any]] = field(default_factory=set)
-    # The assistant messages returned, by what the agent sends back of them (content, tool call ids):
+    # The assistant messages returned, by what the agent sends back of them (messages.returned_key):
     # the text as sampled, rendered in their place so the trajectory goes on from the sampled tokens.
-    returned: dict[tuple[str, tuple[str, ...]], str] = field(default_factory=dict)
+    returned: dict[tuple[Any, ...], str] = field(default_factory=dict)
     open: bool = True
 
     def fail(self, exc: BaseException) -> None:
