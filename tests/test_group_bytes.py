@@ -7,7 +7,9 @@ bytes on every run, which a real model does not. The oracle is a file, tests/gol
 that the service at an earlier commit wrote from these very requests (its code, not this checkout's:
 regenerate it only from a checkout whose output is known good, with ROLLOUT_WRITE_GOLDEN=1 and that
 checkout's `rollout_service` first on the path, as the test's docstring says), with the ids,
-addresses and times each run makes anew replaced by placeholders (`_normalised`).
+addresses and times each run makes anew replaced by placeholders (`_normalised`). It was rewritten once
+since, when the agent lane added the attempt's `agent` field (null on a step attempt), and checked to be
+the earlier copy's bytes apart from those insertions.
 """
 
 from __future__ import annotations
