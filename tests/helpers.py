@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -177,3 +179,17 @@ def assert_logprobs_are_the_policys(attempts: list[dict]) -> None:
     assert abs(statistics.mean(deltas)) < 0.03, statistics.mean(deltas)  # no systematic offset
     assert statistics.mean(shifted) > 10 * statistics.mean(absolute), statistics.mean(shifted)
     assert all(math.isfinite(d) for d in deltas)
+
+
+def send_unread_batch(service: str, groups: list[dict]) -> socket.socket:
+    """A raw socket with a small receive buffer that has sent POST /groups/batch and will read nothing."""
+    payload = json.dumps({"groups": groups}).encode()
+    host, port = service.removeprefix("http://").split(":")
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader.connect((host, int(port)))
+    reader.sendall(
+        b"POST /groups/batch HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
+    )
+    return reader

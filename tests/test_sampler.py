@@ -19,7 +19,7 @@ import uuid
 
 import httpx
 import pytest
-from helpers import assert_accounted, assert_env_accounted, wait_until
+from helpers import assert_accounted, assert_env_accounted, send_unread_batch, wait_until
 
 GRADED = ("scored", "policy_failure")
 SHORT = {"temperature": 1.0, "max_tokens": 48}
@@ -389,7 +389,6 @@ def test_a_reader_that_stops_reading_is_cut_off_and_its_groups_cancelled(
     socket's buffers fill in seconds (the real one would take many minutes).
     Breaks tried: HeldResults.hold doing nothing -> attempts_queued falls to 0 while groups wait;
     the stall timeout not enforced (plain StreamingResponse) -> the env still holds worlds."""
-    import socket
 
     model = start_scripted_model("sql-forever")
     env = start_refenv("--pool", "4")
@@ -397,15 +396,7 @@ def test_a_reader_that_stops_reading_is_cut_off_and_its_groups_cancelled(
         [env.url], "--stream-stall-timeout", "3", "--max-queued-attempts", "4000", vllm=model.url, model="scripted"
     ).url
     groups = [{"task_id": "t005", "n": 4, "max_turns": 12, "retries": 0, "sampling": SCRIPTED} for _ in range(600)]
-    payload = json.dumps({"groups": groups}).encode()
-    host, port = service.removeprefix("http://").split(":")
-    client = socket.socket()
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    client.connect((host, int(port)))
-    client.sendall(
-        b"POST /groups/batch HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
-    )
+    client = send_unread_batch(service, groups)
     try:
         # Finished groups pile up behind the reader, each still counted.
         def detail() -> dict:

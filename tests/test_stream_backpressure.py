@@ -10,34 +10,19 @@ to max_turns: some 150 kB a group), so the socket buffers fill in seconds.
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 import sys
 
 import httpx
 import pytest
-from helpers import assert_env_accounted, wait_until
+from helpers import assert_env_accounted, send_unread_batch, wait_until
 
 ESTABLISHED = 1  # tcpi_state, the first byte of Linux's struct tcp_info
 
 
 def _tcp_state(sock: socket.socket) -> int:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
-
-
-def _send_unread_batch(service: str, groups: list[dict]) -> socket.socket:
-    """A raw socket with a small receive buffer that has sent POST /groups/batch and will read nothing."""
-    payload = json.dumps({"groups": groups}).encode()
-    host, port = service.removeprefix("http://").split(":")
-    reader = socket.socket()
-    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    reader.connect((host, int(port)))
-    reader.sendall(
-        b"POST /groups/batch HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
-    )
-    return reader
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the socket's state with Linux's TCP_INFO")
@@ -55,7 +40,7 @@ def test_an_unread_batch_is_cut_its_connection_closed_and_its_groups_cancelled(
     groups = [
         {"task_id": "t001", "n": 8, "max_turns": 12, "retries": 0, "sampling": {"temperature": 0.8, "max_tokens": 16}}
     ] * 40
-    reader = _send_unread_batch(service.url, groups)
+    reader = send_unread_batch(service.url, groups)
     try:
         assert _tcp_state(reader) == ESTABLISHED
         assert wait_until(lambda: _tcp_state(reader) != ESTABLISHED, timeout_s=120), "the service closed the connection"
@@ -98,7 +83,7 @@ def test_a_batch_nobody_reads_starts_no_more_groups_than_its_window_and_the_sock
     )
     n, total = 8, 200
     group = {"task_id": "t001", "n": n, "max_turns": 12, "retries": 0, "sampling": {"max_tokens": 16}}
-    reader = _send_unread_batch(service.url, [group] * total)
+    reader = send_unread_batch(service.url, [group] * total)
     try:
         seen: dict = {"started": -1}
 
