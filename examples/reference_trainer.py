@@ -147,9 +147,11 @@ class Settings:
             grpo_sync_steps=1,
             groups_per_step=1,
             grpo_n=2,
-            # Three groups in the stream, one pulled per step: a buffered group outlives two updates, so
-            # the staleness bound is exercised, not just stated.
+            # One group pulled per step with two updates of staleness allowed: the paced stream keeps two
+            # groups running while each step trains, so groups run across updates and are handed out
+            # behind the policy: the staleness bound is exercised, not just stated.
             buffer=3,
+            max_staleness=2,
             max_turns=2,  # answers the env rejects are asked again up to its limit: minutes on CPU
             eval_repeats=1,
             eval_limit=2,
