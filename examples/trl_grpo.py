@@ -17,11 +17,12 @@ own log) and `progress.png`. See docs/trl.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import math
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,7 @@ def train_record(step: int, groups: list[GroupResult | None], seconds: float) ->
         "kind": "train",
         "step": step,
         "attempts": len(rewards),
+        "rewards": rewards,
         "reward_mean": statistics.mean(rewards) if rewards else None,
         "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
         "reward_ci95": list(ci) if ci else None,
@@ -94,6 +96,19 @@ def train_record(step: int, groups: list[GroupResult | None], seconds: float) ->
         "groups_with_spread": sum(len(set(g)) > 1 for g in per_group),
         "versions": versions_of(groups),
         "seconds": round(seconds, 1),
+    }
+
+
+def process_share(share: dict) -> dict:
+    """One process's part of a step under accelerate: its groups and tasks, the version it recorded as
+    served, and the versions the service says generated its turns."""
+    groups = [g for g in share["groups"] if g is not None]
+    return {
+        "process": share["process"],
+        "served": share["served"],
+        "group_ids": [g.group_id for g in groups],
+        "tasks": [g.task_id for g in groups],
+        "versions": versions_of(groups),
     }
 
 
@@ -144,14 +159,20 @@ class Progress:
         self.records.append(record)
         with (self.args.out / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
-        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}
+        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items() if k != "processes"}
         print(json.dumps(shown), flush=True)
 
     def evaluate(self, step: int) -> None:
+        """Every process serves (or waits for) the step's adapter; the main process measures it."""
         rollout = self.trainer.rollout_func
         rollout.sync(self.trainer)
-        sampling = {"temperature": 1.0, "max_tokens": self.args.max_tokens, "seed": self.args.seed + 1000 + step}
-        self._write(evaluate(self.evals, self.eval_tasks, rollout.version, step, n=self.args.eval_n, sampling=sampling))
+        accelerator = self.trainer.accelerator
+        if accelerator.is_main_process:
+            sampling = {"temperature": 1.0, "max_tokens": self.args.max_tokens, "seed": self.args.seed + 1000 + step}
+            self._write(
+                evaluate(self.evals, self.eval_tasks, rollout.version, step, n=self.args.eval_n, sampling=sampling)
+            )
+        accelerator.wait_for_everyone()
 
     # TrainerCallback's hooks (only those used: TRL calls each on every callback it holds)
     def on_train_begin(self, args, state, control, **_: Any):
@@ -159,8 +180,21 @@ class Progress:
         self.started = time.monotonic()
 
     def on_step_end(self, args, state, control, **_: Any):
+        from accelerate.utils import gather_object
+
         batch = self.client.batches[-1] if self.client.batches else []
-        self._write(train_record(state.global_step, batch, time.monotonic() - self.started))
+        accelerator = self.trainer.accelerator
+        # Under accelerate each process ran its own share of the step's groups: the record is of all of
+        # them, with what each process asked for and the version it recorded as served.
+        mine = {"process": accelerator.process_index, "served": self.trainer.rollout_func.version, "groups": batch}
+        shares = gather_object([mine])
+        if accelerator.is_main_process:
+            record = train_record(
+                state.global_step, [g for s in shares for g in s["groups"]], time.monotonic() - self.started
+            )
+            if len(shares) > 1:
+                record["processes"] = [process_share(s) for s in shares]
+            self._write(record)
         self.started = time.monotonic()
         if state.global_step % self.args.eval_every == 0 or state.global_step == state.max_steps:
             self.evaluate(state.global_step)
@@ -285,6 +319,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("results/trl"), help="adapters, logs and metrics")
     p.add_argument("--vllm", help="a running vLLM serving the embedded model with LoRA on (default: start one)")
+    p.add_argument(
+        "--service",
+        help="a running service whose envs serve the family's train and eval sides (default: start vLLM, "
+        "refenv and the service); under accelerate launch, every process uses it",
+    )
     p.add_argument("--family", default=DEFAULT_FAMILY, help="the learning suite's family trained and measured")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--generations", type=int, default=8, help="attempts per task: TRL's num_generations")
@@ -297,15 +336,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-n", type=int, default=8, help="attempts per held-out instance per measurement")
     p.add_argument("--eval-limit", type=int, help="measure only the first N held-out instances")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--record", type=Path, help="write the run's bench record here, e.g. bench/results/trl-learning.json"
+    )
     return p
 
 
 def train(service_url: str, args: argparse.Namespace) -> list[dict]:
     """The run against a service that serves the family's training side (and its eval side, for
     measurement); the `train` and `eval` records, also written to `<out>/metrics.jsonl`."""
+    from accelerate import PartialState
+
+    state = PartialState()  # the trainer's own process group: one process here, or accelerate's
     args.out = Path(args.out).resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "metrics.jsonl").unlink(missing_ok=True)
+    if state.is_main_process:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "metrics.jsonl").unlink(missing_ok=True)
+    state.wait_for_everyone()
     with StepClient(service_url) as client, RolloutClient(service_url) as evals:
         client.wait_ready(timeout_s=120)
         eval_tasks = list(task_dataset(client, side="eval")["prompt"])[: args.eval_limit]
@@ -324,6 +371,8 @@ def train(service_url: str, args: argparse.Namespace) -> list[dict]:
         progress = Progress(trainer, client, evals, eval_tasks, args)
         trainer.add_callback(progress)
         trainer.train()
+        if not state.is_main_process:
+            return progress.records  # none: the main process writes the run's records
         with (args.out / "metrics.jsonl").open("a") as f:
             for record in trainer.state.log_history:
                 f.write(json.dumps({"kind": "trl", **record}) + "\n")
@@ -332,36 +381,194 @@ def train(service_url: str, args: argparse.Namespace) -> list[dict]:
     return progress.records
 
 
+@contextlib.contextmanager
+def service_for_every_process(args: argparse.Namespace) -> Iterator[str]:
+    """The service every trainer process generates through: `--service`, or a stack the main process
+    starts. Under `accelerate launch` the other processes get its URL (or why it did not start) from
+    the main one, and the stack stops only once every process is done."""
+    if args.service:
+        yield args.service
+        return
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState()
+    with contextlib.ExitStack() as started:
+        shared: list[str | None] = [None, None]  # the service's URL, or why the stack did not start
+        failure: BaseException | None = None
+        if state.is_main_process:
+            try:
+                stack = started.enter_context(LearningStack(Path(args.out).resolve(), args.vllm, args.family))
+                shared[0] = stack.urls["service"]
+            except BaseException as exc:
+                failure, shared[1] = exc, f"{type(exc).__name__}: {exc}"
+        if state.num_processes > 1:
+            broadcast_object_list(shared, from_process=0)
+        if failure is not None:
+            raise failure
+        if shared[1] is not None:
+            raise SystemExit(f"process {state.process_index}: the main process could not start the stack: {shared[1]}")
+        assert shared[0] is not None
+        yield shared[0]
+        state.wait_for_everyone()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.steps < 1 or args.eval_every < 1:
         parser().error("--steps and --eval-every must be at least 1")
-    with LearningStack(Path(args.out).resolve(), args.vllm, args.family) as stack:
-        train(stack.urls["service"], args)
+    code = bench_record_module().commit()  # the code this run starts on: the checkout may move while it runs
+    with service_for_every_process(args) as url:
+        records = train(url, args)
+    if args.record and records:  # the main process's records (the others hold none)
+        path = bench_record_module().write(
+            learning_record(records, args, [sys.argv[0], *(argv or sys.argv[1:])], code), args.record
+        )
+        print(f"record: {path}")
     return 0
 
 
-def summarize(records: list[dict]) -> None:
-    """The first and last five steps' train reward and the first and last held-out measurement, each
-    with its 95 % interval: what says whether the run learned beyond the noise."""
+def comparison(records: list[dict]) -> dict[str, Any]:
+    """What says whether the run learned beyond the noise: the train reward of the first and the last
+    five steps (each window's attempts pooled, with the 95 % interval of their mean) and the held-out
+    reward before the first step and after the last; `separated`: the later interval lies wholly above
+    the earlier one."""
     train = [r for r in records if r["kind"] == "train"]
-    evals = [r for r in records if r["kind"] == "eval"]
+    evals = [r for r in records if r["kind"] == "eval" and r["reward_mean"] is not None]
+    k = min(5, len(train) // 2)
 
-    def window(rows: list[dict]) -> str:
-        means = [r["reward_mean"] for r in rows if r["reward_mean"] is not None]
-        ci = mean_interval(means)
-        shown = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
-        return f"{statistics.mean(means):.3f}{shown}" if means else "-"
+    def window(rows: list[dict]) -> dict[str, Any]:
+        rewards = [x for r in rows for x in r.get("rewards", [])]
+        ci = mean_interval(rewards)
+        return {
+            "steps": [r["step"] for r in rows],
+            "attempts": len(rewards),
+            "reward_mean": round(statistics.mean(rewards), 4) if rewards else None,
+            "reward_ci95": [round(x, 4) for x in ci] if ci else None,
+        }
 
-    if len(train) >= 2:
-        k = min(5, len(train) // 2) or 1
-        print(f"train reward: first {k} steps {window(train[:k])}, last {k} steps {window(train[-k:])}")
-    for r in (evals[0], evals[-1]) if len(evals) > 1 else evals:
-        ci = r["reward_ci95"] or [math.nan, math.nan]
-        print(
-            f"held-out at step {r['step']}: reward {r['reward_mean']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}], pass rate "
-            f"{r['pass_rate']:.3f} over {r['attempts']} attempts"
+    def measured(r: dict) -> dict[str, Any]:
+        return {
+            "step": r["step"],
+            "attempts": r["attempts"],
+            "reward_mean": round(r["reward_mean"], 4),
+            "reward_ci95": [round(x, 4) for x in r["reward_ci95"]] if r["reward_ci95"] else None,
+            "pass_rate": round(r["pass_rate"], 4),
+            "pass_wilson95": [round(x, 4) for x in r["pass_wilson95"]],
+        }
+
+    def separated(before: dict, after: dict) -> bool | None:
+        if not before["reward_ci95"] or not after["reward_ci95"]:
+            return None
+        return after["reward_ci95"][0] > before["reward_ci95"][1]
+
+    out: dict[str, Any] = {}
+    if k:
+        first, last = window(train[:k]), window(train[-k:])
+        out["train"] = {"first": first, "last": last, "separated": separated(first, last)}
+    if len(evals) > 1:
+        before, after = measured(evals[0]), measured(evals[-1])
+        out["held_out"] = {"before": before, "after": after, "separated": separated(before, after)}
+    return out
+
+
+def summarize(records: list[dict]) -> None:
+    """Print the comparison: the first against the last steps, the held-out reward before against after."""
+
+    def shown(part: dict) -> str:
+        ci = part["reward_ci95"]
+        return (
+            f"{part['reward_mean']:.3f}"
+            + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+            + f" over {part['attempts']} attempts"
         )
+
+    verdict = {True: "apart", False: "overlapping", None: "no interval"}
+    compared = comparison(records)
+    if "train" in compared:
+        t = compared["train"]
+        print(
+            f"train reward: steps {t['first']['steps'][0]}-{t['first']['steps'][-1]} {shown(t['first'])}; steps "
+            f"{t['last']['steps'][0]}-{t['last']['steps'][-1]} {shown(t['last'])} ({verdict[t['separated']]})"
+        )
+    if "held_out" in compared:
+        h = compared["held_out"]
+        print(
+            f"held-out reward: at step {h['before']['step']} {shown(h['before'])}; at step {h['after']['step']} "
+            f"{shown(h['after'])} ({verdict[h['separated']]})"
+        )
+
+
+def bench_record_module() -> Any:
+    """bench/record.py (not a package: the repository's bench folder)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import record
+    finally:
+        sys.path.pop(0)
+    return record
+
+
+def learning_record(records: list[dict], args: argparse.Namespace, argv: list[str], code: str) -> dict[str, Any]:
+    """The run as a bench record (bench/record.py): a row per step and per measurement, the comparison as
+    a table of its own, the settings in the notes."""
+    record = bench_record_module()
+    rows = [
+        {
+            k: r.get(k)
+            for k in (
+                "kind",
+                "step",
+                "attempts",
+                "reward_mean",
+                "reward_ci95",
+                "pass_rate",
+                "groups_with_spread",
+                "seconds",
+            )
+        }
+        for r in records
+        if r["kind"] in ("train", "eval")
+    ]
+    compared = comparison(records)
+    table = [
+        {
+            "compared": name,
+            "when": when,
+            **{k: v for k, v in part.items() if k != "steps"},
+            "separated": both["separated"],
+        }
+        for name, keys in (("train reward, steps pooled", ("first", "last")), ("held-out reward", ("before", "after")))
+        for both in [compared.get("train" if keys[0] == "first" else "held_out")]
+        if both
+        for when, part in ((keys[0], both[keys[0]]), (keys[1], both[keys[1]]))
+    ]
+    built = record.make(
+        "trl-learning",
+        f"TRL's GRPOTrainer through the service on refenv's {args.family}",
+        [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
+        columns=[
+            "kind",
+            "step",
+            "attempts",
+            "reward_mean",
+            "reward_ci95",
+            "pass_rate",
+            "groups_with_spread",
+            "seconds",
+        ],
+        notes=(
+            f"{args.steps} GRPO steps of {args.tasks_per_step} tasks x {args.generations} attempts, LoRA rank "
+            f"{args.lora_rank}, learning rate {args.learning_rate}, temperature 1.0, {args.max_tokens} tokens a "
+            f"turn; held-out: {args.eval_n} attempts per eval-side instance of the family, pinned to the step's "
+            "adapter. 95 % intervals: the mean's normal interval over attempts (taken as independent). "
+            "'separated': the later interval lies wholly above the earlier one."
+        ),
+        argv=argv,
+        code=code,
+    )
+    built["figures"]["tables"] = [{"title": "Before and after", "rows": table}]
+    return built
 
 
 if __name__ == "__main__":

@@ -191,13 +191,20 @@ class ServiceRollout:
             raise TypeError(
                 "service_rollout serves the trainer's LoRA adapter: give GRPOTrainer a peft_config (or a PeftModel)"
             )
-        version = f"{self.run}-step{step}"
-        result = None
-        # Under accelerate every process holds the same adapter: one saves and serves it, and none
-        # asks for groups before it is served.
-        if trainer.accelerator.is_main_process:
-            version, result = self._serve(model, version)
-        trainer.accelerator.wait_for_everyone()
+        accelerator = trainer.accelerator
+        # Under accelerate every process holds the same adapter: the main one saves and serves it, and
+        # every process records the name it was served under (the main process's run prefix, or a
+        # resumed run's `.2`), which only the main process knows; none asks for groups before then.
+        served: list[Any] = [None, None]
+        if accelerator.is_main_process:
+            served = list(self._serve(model, f"{self.run}-step{step}"))
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(served, from_process=0)
+        else:
+            accelerator.wait_for_everyone()
+        version, result = served
         folder = (self.adapter_dir / version).resolve()
         self.pushed_step, self.version = step, version
         self.pushes.append({"step": step, "version": version, "folder": str(folder), "result": result})
