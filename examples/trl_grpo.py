@@ -347,7 +347,7 @@ def train(service_url: str, args: argparse.Namespace) -> list[dict]:
     measurement); the `train` and `eval` records, also written to `<out>/metrics.jsonl`."""
     from accelerate import PartialState
 
-    state = PartialState()  # the trainer's own process group: one process here, or accelerate's
+    state = PartialState(cpu=True)  # the trainer's process group (it trains on the CPU): one process, or torchrun's
     args.out = Path(args.out).resolve()
     if state.is_main_process:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -392,7 +392,7 @@ def service_for_every_process(args: argparse.Namespace) -> Iterator[str]:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
-    state = PartialState()
+    state = PartialState(cpu=True)  # as the trainer makes it (use_cpu): the first made is the one all share
     with contextlib.ExitStack() as started:
         shared: list[str | None] = [None, None]  # the service's URL, or why the stack did not start
         failure: BaseException | None = None
@@ -499,6 +499,12 @@ def summarize(records: list[dict]) -> None:
         )
 
 
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    return [_rounded(v) for v in value] if isinstance(value, list) else value
+
+
 def bench_record_module() -> Any:
     """bench/record.py (not a package: the repository's bench folder)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -546,7 +552,7 @@ def learning_record(records: list[dict], args: argparse.Namespace, argv: list[st
     built = record.make(
         "trl-learning",
         f"TRL's GRPOTrainer through the service on refenv's {args.family}",
-        [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()} for row in rows],
+        [{k: _rounded(v) for k, v in row.items()} for row in rows],
         columns=[
             "kind",
             "step",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -336,3 +337,55 @@ def test_the_example_trains_on_the_learning_family_with_groups_that_differ(
     assert [r for r in lines if r["kind"] in ("train", "eval")] == records
     assert any(r["kind"] == "trl" and "loss" in r for r in lines)
     assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.early  # two trainer processes on 2 loaded cores: minutes
+def test_the_example_under_accelerate_launch_with_two_processes(
+    vllm_url, start_refenv, start_service, tmp_path, adapters_out
+):
+    """examples/trl_grpo.py under `accelerate launch` with two processes on the CPU (accelerate's
+    torchrun launcher; the example makes a CPU process group), 2 steps of one task per process against
+    the real service. The adapter must be served once per step (the main process serves it, the other
+    waits and records the name it was served under), and the two processes' groups must be distinct.
+    Oracles: the service's policy update log (GET /policy), its groups (ids, tasks, each turn's
+    policy_version) and vLLM's list of served adapters."""
+    suite = ["--suite", "learning", "--family", trl_grpo.DEFAULT_FAMILY, "--split", "auto:0.8"]
+    train = start_refenv("--pool", "8", *suite, "--side", "train")
+    evals = start_refenv("--pool", "8", *suite, "--side", "eval")
+    service = start_service([train.url, evals.url])
+    before = {u.version for u in RolloutClient(service.url).policy().recent_updates}
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    example = [str(Path(trl_grpo.__file__)), "--service", service.url, "--out", str(tmp_path), "--steps", "2"]
+    example += ["--generations", "4", "--tasks-per-step", "1", "--eval-every", "2", "--eval-limit", "2"]
+    example += ["--eval-n", "2", "--seed", "5"]
+    run = subprocess.run([*launch, *example], capture_output=True, text=True, timeout=1700)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if r["kind"] == "train"]
+    measured = [r for r in lines if r["kind"] == "eval"]
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in measured] == [0, 2], lines
+
+    # One update per step the trainer served, in the service's own log: none twice, none by the
+    # second process under a name of its own.
+    updates = [u for u in RolloutClient(service.url).policy().recent_updates if u.version not in before]
+    served = [u.version for u in updates]
+    assert len(served) == len(set(served)) == 3, served  # step 0 (the first rollout), step 1, step 2
+    assert all(u.replicas and all(r.ok for r in u.replicas) for u in updates), updates
+    # vLLM serves the last (the service unloads the adapters it no longer serves).
+    assert f"{MODEL}@{served[-1]}" in {m["id"] for m in httpx.get(f"{vllm_url}/v1/models", timeout=10).json()["data"]}
+    assert sorted(p.name for p in (tmp_path / "adapters").iterdir()) == sorted(served)
+
+    for step, version in zip(steps, served[:2], strict=True):
+        shares = step["processes"]
+        assert [p["process"] for p in shares] == [0, 1], shares
+        # Every process recorded the version the service served for the step, and the service says
+        # that version generated every turn of every process's groups.
+        assert all(p["served"] == version and p["versions"] == [version] for p in shares), (version, shares)
+        ids = [set(p["group_ids"]) for p in shares]
+        assert all(ids) and not ids[0] & ids[1], shares
+        assert not set(shares[0]["tasks"]) & set(shares[1]["tasks"]), shares
+        assert step["groups"] == 2 and step["attempts"] == 8, step
+    assert [r["version"] for r in measured] == [served[0], served[2]], (measured, served)
