@@ -4,6 +4,8 @@ service's vLLM, measured on unseen instances of the same family.
 
     python examples/trl_grpo.py --steps 30                        # starts vLLM, refenv and the service
     python examples/trl_grpo.py --vllm http://127.0.0.1:18000     # a running vLLM (LoRA enabled)
+    python examples/trl_grpo.py --record bench/results/trl-learning.json   # the run as a bench record
+    accelerate launch --multi_gpu --num_processes 2 examples/trl_grpo.py   # two trainer processes, on the CPU
 
 Each step: `service_rollout` saves the trainer's adapter and serves it (POST /policy), the service runs
 one group of `--generations` attempts per task, and TRL normalises the env's rewards per group and
@@ -422,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         records = train(url, args)
     if args.record and records:  # the main process's records (the others hold none)
         path = bench_record_module().write(
-            learning_record(records, args, [sys.argv[0], *(argv or sys.argv[1:])], code), args.record
+            learning_record(records, args, [sys.argv[0], *(sys.argv[1:] if argv is None else argv)], code), args.record
         )
         print(f"record: {path}")
     return 0
@@ -443,19 +445,13 @@ def comparison(records: list[dict]) -> dict[str, Any]:
         return {
             "steps": [r["step"] for r in rows],
             "attempts": len(rewards),
-            "reward_mean": round(statistics.mean(rewards), 4) if rewards else None,
-            "reward_ci95": [round(x, 4) for x in ci] if ci else None,
+            "reward_mean": statistics.mean(rewards) if rewards else None,
+            "reward_ci95": list(ci) if ci else None,
         }
 
     def measured(r: dict) -> dict[str, Any]:
-        return {
-            "step": r["step"],
-            "attempts": r["attempts"],
-            "reward_mean": round(r["reward_mean"], 4),
-            "reward_ci95": [round(x, 4) for x in r["reward_ci95"]] if r["reward_ci95"] else None,
-            "pass_rate": round(r["pass_rate"], 4),
-            "pass_wilson95": [round(x, 4) for x in r["pass_wilson95"]],
-        }
+        keys = ("step", "attempts", "reward_mean", "reward_ci95", "pass_rate", "pass_wilson95")
+        return {k: r[k] for k in keys}
 
     def separated(before: dict, after: dict) -> bool | None:
         if not before["reward_ci95"] or not after["reward_ci95"]:
@@ -515,54 +511,29 @@ def bench_record_module() -> Any:
     return record
 
 
+# A step's or a measurement's figures, as the record's rows show them.
+ROW_KEYS = ["kind", "step", "attempts", "reward_mean", "reward_ci95", "pass_rate", "groups_with_spread", "seconds"]
+
+
 def learning_record(records: list[dict], args: argparse.Namespace, argv: list[str], code: str) -> dict[str, Any]:
     """The run as a bench record (bench/record.py): a row per step and per measurement, the comparison as
     a table of its own, the settings in the notes."""
-    record = bench_record_module()
-    rows = [
-        {
-            k: r.get(k)
-            for k in (
-                "kind",
-                "step",
-                "attempts",
-                "reward_mean",
-                "reward_ci95",
-                "pass_rate",
-                "groups_with_spread",
-                "seconds",
-            )
-        }
-        for r in records
-        if r["kind"] in ("train", "eval")
-    ]
+    rows = [{k: _rounded(r.get(k)) for k in ROW_KEYS} for r in records if r["kind"] in ("train", "eval")]
     compared = comparison(records)
-    table = [
-        {
-            "compared": name,
-            "when": when,
-            **{k: v for k, v in part.items() if k != "steps"},
-            "separated": both["separated"],
-        }
-        for name, keys in (("train reward, steps pooled", ("first", "last")), ("held-out reward", ("before", "after")))
-        for both in [compared.get("train" if keys[0] == "first" else "held_out")]
-        if both
-        for when, part in ((keys[0], both[keys[0]]), (keys[1], both[keys[1]]))
-    ]
-    built = record.make(
+    table = []
+    for name, key, (early, late) in (
+        ("train reward, steps pooled", "train", ("first", "last")),
+        ("held-out reward", "held_out", ("before", "after")),
+    ):
+        if key in compared:
+            for when in (early, late):
+                part = {k: _rounded(v) for k, v in compared[key][when].items() if k != "steps"}
+                table.append({"compared": name, "when": when, **part, "separated": compared[key]["separated"]})
+    built = bench_record_module().make(
         "trl-learning",
         f"TRL's GRPOTrainer through the service on refenv's {args.family}",
-        [{k: _rounded(v) for k, v in row.items()} for row in rows],
-        columns=[
-            "kind",
-            "step",
-            "attempts",
-            "reward_mean",
-            "reward_ci95",
-            "pass_rate",
-            "groups_with_spread",
-            "seconds",
-        ],
+        rows,
+        columns=ROW_KEYS,
         notes=(
             f"{args.steps} GRPO steps of {args.tasks_per_step} tasks x {args.generations} attempts, LoRA rank "
             f"{args.lora_rank}, learning rate {args.learning_rate}, temperature 1.0, {args.max_tokens} tokens a "

@@ -225,6 +225,7 @@ def test_unscorable_attempts_are_rows_that_train_nothing():
 
 class _Accelerator:
     is_main_process = True
+    num_processes = 1
 
     def unwrap_model(self, model):
         return model
@@ -337,6 +338,14 @@ def test_the_example_trains_on_the_learning_family_with_groups_that_differ(
     assert [r for r in lines if r["kind"] in ("train", "eval")] == records
     assert any(r["kind"] == "trl" and "loss" in r for r in lines)
     assert (tmp_path / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The run as a bench record (--record): it passes bench/record.py's check, and its before/after table
+    # pools the first step's and the last step's attempts (two steps: windows of one).
+    built = trl_grpo.learning_record(records, args, ["examples/trl_grpo.py", "--record", "x.json"], "test")
+    trl_grpo.bench_record_module().check(built)
+    pooled = [r for r in built["figures"]["tables"][0]["rows"] if r["compared"].startswith("train")]
+    assert [r["attempts"] for r in pooled] == [8, 8]
+    assert [r["reward_mean"] for r in pooled] == [round(statistics.mean(r["rewards"]), 4) for r in steps]
 
 
 @pytest.mark.timeout(1800)
