@@ -230,9 +230,6 @@ class _Accelerator:
     def unwrap_model(self, model):
         return model
 
-    def wait_for_everyone(self) -> None:
-        pass
-
 
 class _AdapterModel:
     """Stands for TRL's PeftModel where only its adapter files matter: save_pretrained writes a

@@ -202,8 +202,6 @@ class ServiceRollout:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(served, from_process=0)
-        else:
-            accelerator.wait_for_everyone()
         version, result = served
         folder = (self.adapter_dir / version).resolve()
         self.pushed_step, self.version = step, version
