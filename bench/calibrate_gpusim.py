@@ -5,15 +5,19 @@
 
 1. Step time by batch on the real engine: b requests at once, each `ignore_eos` for T tokens, at
    two values of T; the difference over the difference in T is one decode step at batch b (the
-   prefill and the HTTP cost cancel). Prefill per token from one request's time at two prompt
-   lengths; the KV term from one decode at two context lengths.
+   prefill and the HTTP cost cancel). Prefill per token: the slope of a one-token request's time over
+   its prompt's length (cold prompts, 50 to 1,200 tokens), the request's cost outside the engine
+   what that line leaves at no prompt beyond one step. The KV term: a decode step at batch 8 with
+   long contexts against one with short ones. Reply lengths: the real model's at max_tokens 32 on
+   the env's own prompts. Each timing the median of three, interleaved.
 2. Fit `step = base + per_token x tokens in the step + per_kv_token x KV tokens` (least squares over
    the batches) and write the fitted engine as gpusim Params (with the CPU vLLM's max_num_seqs, KV
    capacity and max_model_len from its start-up log) to --params-out.
 3. In one run, on the real vLLM and on the fitted sim (time scale 1), the service against the naive
    driver (compare.py's pattern: one group at a time, its n attempts at once) at pool 8 (n=4) and
    pool 32 (n=8), on the tails env's calibration mix with reply lengths drawn from those the real
-   model gave in step 1. The sim must predict each ratio within +-15 %.
+   model gave in step 1. The sim must predict each ratio within +-15 %. The env's filler is one token
+   a word to both tokenizers, so both engines see the same prompts (the record says their counts).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpusim
 import record
 from gpu_regime import LOGS, Config, Stack, _direct_group, _from_result, _group_body, _ndjson, _session
-from tailenv import task_ids
+from tailenv import CALIBRATION, filler, first_messages, task_ids
 
 from rollout_service.launch.embedded_model import MODEL_NAME
 from rollout_service.launch.stack import start_embedded_vllm
@@ -70,37 +74,42 @@ async def measure(url: str, model: str, batches: list[int], short: int, long: in
             tries[b].append(max(1e-6, (walls[1] - walls[0]) / (long - short)))
     steps = {b: statistics.median(t) for b, t in tries.items()}
     print("step s by batch:", {b: round(s, 4) for b, s in steps.items()}, flush=True)
-    # Prefill: one request, 1 token, at two prompt lengths (distinct prompts: no prefix-cache hit).
-    pairs = []
+    # Prefill: one request of 1 token, cold (distinct prompts: no prefix-cache hit), at prompt lengths
+    # spanning the env's (50 to 1,200 tokens); the slope is a prefill token, what the line leaves at
+    # no prompt beyond one step is the request's cost outside the engine.
+    words = [10, 50, 100, 200, 300]
+    counts = await _count(url, model, [_prompt(1, w) for w in words])
+    cold: dict[int, list[float]] = {w: [] for w in words}
     for k in range(3):
-        few, _ = await _timed_completions(url, model, [_prompt(10 + k, 20)], 1)
-        many, _ = await _timed_completions(url, model, [_prompt(20 + k, 600)], 1)
-        pairs.append((few, many))
-    few, many = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-    prompt_tokens = await _count(url, model, [_prompt(1, 20), _prompt(2, 600)])
-    prefill_per_token = max(0.0, (many - few) / max(1, prompt_tokens[1] - prompt_tokens[0]))
-    # The KV term: a decode step with a long context against one with a short one.
-    walls = []
-    for words in (20, 600):
-        pair = []
-        for tokens in (short, long):
-            wall, _ = await _timed_completions(url, model, [_prompt(3 + words + tokens, words)], tokens)
-            pair.append(wall)
-        walls.append((pair[1] - pair[0]) / (long - short))
-    kv_per_token = max(0.0, (walls[1] - walls[0]) / max(1, prompt_tokens[1] - prompt_tokens[0]))
-    # Outside the engine: a one-token request's wall less its prefill and its one step.
-    overhead = max(0.0, few - prompt_tokens[0] * prefill_per_token - steps[min(steps)])
-    # What the model replies at max_tokens 32 on the env's prompts (it stops at EOS too).
+        for w in words:
+            cold[w].append((await _timed_completions(url, model, [_prompt(100 * k + w, w)], 1))[0])
+    prefill_per_token, at_zero = statistics.linear_regression(counts, [statistics.median(cold[w]) for w in words])
+    overhead = max(0.0, at_zero - steps[min(steps)])
+    # The KV term: a decode step at batch 8 with long contexts against one with short ones.
+    kv: dict[int, list[float]] = {w: [] for w in (20, 200)}
+    for k in range(3):
+        for w in kv:
+            pair = []
+            for tokens in (short, long):
+                prompts = [_prompt(1000 * k + 100 * w + tokens + i, w) for i in range(8)]
+                pair.append((await _timed_completions(url, model, prompts, tokens))[0])
+            kv[w].append((pair[1] - pair[0]) / (long - short))
+    context = await _count(url, model, [_prompt(1, 20), _prompt(1, 200)])
+    kv_per_token = max(0.0, (statistics.median(kv[200]) - statistics.median(kv[20])) / (8 * (context[1] - context[0])))
+    # What the model replies at max_tokens 32 on the env's own prompts, a first turn and the next
+    # (it stops at EOS too): the sim generates lengths drawn from these.
+    lengths = []
     async with _session() as http:
-        lengths = []
-        for i in range(24):
-            messages = [
-                {"role": "system", "content": "123 " * 100},
-                {"role": "user", "content": f"task {i}: 456 " * 20},
-            ]
-            body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 1.0}
-            async with http.post(f"{url}/v1/chat/completions", json=body) as r:
-                lengths.append((await r.json())["usage"]["completion_tokens"])
+        for fam in CALIBRATION.values():
+            for task in [t for t, f in task_ids() if f == fam.name][:12]:
+                messages = first_messages(fam, task, 32)
+                for _ in range(2):
+                    body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 1.0}
+                    async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+                        answer = await r.json()
+                    lengths.append(answer["usage"]["completion_tokens"])
+                    tool = {"role": "user", "content": filler(f"{task}-tool", round(fam.tool_median)) + "<len=32>"}
+                    messages = [*messages, answer["choices"][0]["message"], tool]
     return {"step_s_by_batch": steps, "prefill_per_token_s": prefill_per_token, "kv_per_token_s": kv_per_token,
             "request_overhead_s": overhead, "reply_lengths": lengths}  # fmt: skip
 
@@ -112,6 +121,28 @@ async def _count(url: str, model: str, prompts: list[str]) -> list[int]:
             async with http.post(f"{url}/tokenize", json={"model": model, "prompt": p}) as r:
                 out.append((await r.json())["count"])
         return out
+
+
+# The CPU backend's KV block (the prefix cache's unit) where no block size is given: 128 tokens, where
+# CUDA's is 16. A sim with 16-token blocks would find more of a multi-turn prompt cached than the
+# real engine does.
+CPU_BLOCK_TOKENS = 128
+
+
+async def same_prompts(url: str, model: str) -> list[dict]:
+    """Each calibration family's first prompt, counted by the real engine and by the sim: the two must
+    see the same work (the tails env's filler is one token a word to both tokenizers)."""
+    sim = gpusim.Tokenizer()
+    out = []
+    async with _session() as http:
+        for fam in CALIBRATION.values():
+            task = next(t for t, f in task_ids() if f == fam.name)
+            messages = first_messages(fam, task, 32)
+            body = {"model": model, "messages": messages, "add_generation_prompt": True}
+            async with http.post(f"{url}/tokenize", json=body) as r:
+                real = (await r.json())["count"]
+            out.append({"family": fam.name, "real": real, "sim": len(sim.render(messages, True))})
+    return out
 
 
 def fit(measured: dict, log: Path | None) -> gpusim.Params:
@@ -140,7 +171,12 @@ def fit(measured: dict, log: Path | None) -> gpusim.Params:
         per_kv_token_s=measured["kv_per_token_s"],
         max_batched_tokens=4096,
         prefix_cache_tokens=limits["kv_capacity_tokens"],
-        sources={"fit": "bench/calibrate_gpusim.py on this machine's CPU vLLM (see the calibration record)"},
+        block_tokens=CPU_BLOCK_TOKENS,
+        sources={
+            "fit": "bench/calibrate_gpusim.py on this machine's CPU vLLM (see the calibration record)",
+            "block_tokens": "vLLM's CPU platform default block size (vllm/platforms/cpu.py), which its "
+            "start-up log does not print",
+        },  # fmt: skip
         **limits,
     )
 
@@ -180,6 +216,8 @@ async def ratio(servers: list[str] | None, params_file: Path | None, model: str,
 
 async def run(args: argparse.Namespace, url: str, log: Path | None) -> dict:
     measured = await measure(url, MODEL_NAME, args.batches, 8, 40)
+    measured["first_prompt_tokens"] = await same_prompts(url, MODEL_NAME)
+    print("first prompt tokens, real and sim:", measured["first_prompt_tokens"], flush=True)
     params = fit(measured, log)
     args.params_out.parent.mkdir(parents=True, exist_ok=True)
     args.params_out.write_text(json.dumps({"params": asdict(params), "measured": measured}, indent=1) + "\n")
@@ -228,8 +266,10 @@ def main() -> None:
             f"ms x tokens + {out['params']['per_kv_token_s'] * 1e6:.3f} us x KV tokens; step time by batch "
             f"(s): {json.dumps({k: round(v, 4) for k, v in m['step_s_by_batch'].items()})}; prefill "
             f"{m['prefill_per_token_s'] * 1000:.3f} ms/token measured; the model's replies at max_tokens 32: mean "
-            f"{statistics.mean(m['reply_lengths']):.1f} tokens. The machine's 2 cores are shared with other "
-            "sessions; the service competes with the real engine for them, not with the sim."
+            f"{statistics.mean(m['reply_lengths']):.1f} tokens; a first prompt, real / sim tokens: "
+            + ", ".join(f"{p['family']} {p['real']} / {p['sim']}" for p in m["first_prompt_tokens"])
+            + f"; KV blocks of {out['params']['block_tokens']} tokens (the CPU backend's). The service and the "
+            "drivers share the machine's 2 cores with the real engine, not with the sim."
         )
         rec = record.make("gpusim-calibration", "The GPU-shaped sim against the CPU vLLM: service vs naive",
                           out["rows"], notes=notes)  # fmt: skip

@@ -24,8 +24,13 @@ tokens/s      generated tokens per simulated second, all replicas (the sims' own
 groups/s      groups completed in the window per simulated second
 p50/p90 s     group latency: from its first world taken to its last attempt's end
 load max/mean the replicas' generated tokens: the most loaded over the mean
-steps/h       GRPO steps per simulated hour (sync and stream; a step is pool / n groups)
+steps/h       GRPO steps per simulated hour (sync and stream; a step is pool / n groups), and the
+              mean simulated time between consecutive steps that ended in the window
 stale drops   groups dropped stale (stream), and kept vs dropped: family mix, tokens, pass rate
+
+With --groups N the work is fixed instead of the window (naive, sync and batch): the first N tasks
+of the order, measured from the first group's start to the last one's end (no warm-up; --seconds
+caps it), so groups/s compares the same groups; sync trains after each of its steps but the last.
 
 Group tail control and the other item-5 options are passed through where given: --deadline-s and
 --min-graded go into each group the service drivers send (the service refuses fields it does not
@@ -41,7 +46,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +85,7 @@ class Config:
     env_flags: list[str] = field(default_factory=list)
     model: str = MODEL
     servers: list[str] | None = None  # model servers already running (a real vLLM): no sims started
+    groups: int | None = None  # fixed work: these many groups from the start, timed to the last one's end
 
 
 class Stack:
@@ -147,8 +153,10 @@ class Tally:
         self.notes: list[str] = []
 
 
-def _tasks() -> itertools.cycle:
-    return itertools.cycle([t for t, _ in task_ids()])
+def _tasks(cfg: Config) -> Iterator[str]:
+    """The task order every driver follows; with --groups, its first `groups` tasks only."""
+    order = itertools.cycle([t for t, _ in task_ids()])
+    return order if cfg.groups is None else itertools.islice(order, cfg.groups)
 
 
 # -- direct drivers (no service) -----------------------------------------------------------------
@@ -186,29 +194,30 @@ async def _direct_group(
 
 
 async def drive_naive(stack: Stack, cfg: Config, tally: Tally, stop: float) -> None:
-    tasks = _tasks()
+    tasks = _tasks(cfg)
     async with _session() as http:
 
         async def worker(i: int) -> None:
             sim = stack.sims[i % len(stack.sims)]
-            while time.monotonic() < stop:
-                tally.groups.append(await _direct_group(http, stack, next(tasks), [sim], cfg))
+            while time.monotonic() < stop and (task := next(tasks, None)) is not None:
+                tally.groups.append(await _direct_group(http, stack, task, [sim], cfg))
 
         await asyncio.gather(*(worker(i) for i in range(max(1, cfg.pool // cfg.n))))
 
 
 async def drive_sync(stack: Stack, cfg: Config, tally: Tally, stop: float) -> None:
-    tasks = _tasks()
+    tasks = _tasks(cfg)
     per_step = max(1, cfg.pool // cfg.n)
     async with _session() as http:
-        while time.monotonic() < stop:
-            step_tasks = [next(tasks) for _ in range(per_step)]
+        while time.monotonic() < stop and (step_tasks := list(itertools.islice(tasks, per_step))):
             # Episodes of a step spread round-robin over the replicas (a group's attempts on several).
             rotated = [stack.sims[k % len(stack.sims) :] + stack.sims[: k % len(stack.sims)] for k in range(per_step)]
             done = await asyncio.gather(
-                *(_direct_group(http, stack, t, r, cfg) for t, r in zip(step_tasks, rotated, strict=True))
+                *(_direct_group(http, stack, t, r, cfg) for t, r in zip(step_tasks, rotated, strict=False))
             )
             tally.groups.extend(done)
+            if cfg.groups is not None and len(tally.groups) >= cfg.groups:
+                return  # fixed work: done when its last group is, with no training step after it
             await asyncio.sleep(cfg.train_s / cfg.time_scale)
             tally.steps.append(time.monotonic())
 
@@ -249,10 +258,10 @@ async def _ndjson(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
 
 
 async def drive_batch(stack: Stack, cfg: Config, tally: Tally, stop: float) -> None:
-    """One batch of more groups than the window can finish (4 x pool), its results read as they come:
-    the service keeps the pool full from its own queue, with no barrier between groups."""
-    tasks = _tasks()
-    body = {"groups": [_group_body(next(tasks), cfg) for _ in range(min(4096, 4 * cfg.pool))]}
+    """One batch of more groups than the window can finish (4 x pool; with --groups, those), its results
+    read as they come: the service keeps the pool full from its own queue, with no barrier between groups."""
+    tasks = _tasks(cfg)
+    body = {"groups": [_group_body(t, cfg) for t in itertools.islice(tasks, cfg.groups or min(4096, 4 * cfg.pool))]}
     async with _session() as http, http.post(f"{stack.service}/groups/batch", json=body) as r:
         if r.status >= 400:
             tally.notes.append(f"/groups/batch answered {r.status}: {(await r.text())[:300]}")
@@ -336,19 +345,32 @@ def _side(groups: list[GroupDone]) -> dict:
     }
 
 
+async def _reset_stats(stack: Stack) -> None:
+    await _sim_stats(stack.sims, reset=True)
+    async with aiohttp.ClientSession() as http, http.post(f"{stack.env}/stats") as r:
+        await r.read()
+
+
 async def run_one(cfg: Config, logs: Path) -> dict:
     drive = {"naive": drive_naive, "sync": drive_sync, "batch": drive_batch, "stream": drive_stream}[cfg.driver]
     with Stack(cfg, logs / f"{cfg.driver}-p{cfg.pool}-r{cfg.replicas}", cfg.driver in ("batch", "stream")) as stack:
         tally = Tally()
-        started = time.monotonic()
-        window_start = started + cfg.warmup
+        fixed = cfg.groups is not None
+        if fixed:  # fixed work: measured from the first group to the last one's end (--seconds caps it)
+            await _reset_stats(stack)
+        window_start = time.monotonic() + (0.0 if fixed else cfg.warmup)
         stop = window_start + cfg.seconds
         task = asyncio.create_task(drive(stack, cfg, tally, stop))
-        await asyncio.sleep(cfg.warmup)
-        await _sim_stats(stack.sims, reset=True)
-        async with aiohttp.ClientSession() as http, http.post(f"{stack.env}/stats") as r:
-            await r.read()
-        await asyncio.sleep(max(0.0, stop - time.monotonic()))
+        if fixed:
+            await asyncio.wait([task], timeout=cfg.seconds)
+            if task.done():
+                stop = time.monotonic()
+            else:
+                tally.notes.append(f"{len(tally.groups)} of {cfg.groups} groups ended in the {cfg.seconds:.0f} s cap")
+        else:
+            await asyncio.sleep(cfg.warmup)
+            await _reset_stats(stack)
+            await asyncio.sleep(max(0.0, stop - time.monotonic()))
         sims = await _sim_stats(stack.sims, reset=False)
         async with aiohttp.ClientSession() as http, http.get(f"{stack.env}/stats") as r:
             env = await r.json()
@@ -364,6 +386,9 @@ async def run_one(cfg: Config, logs: Path) -> dict:
     in_window = [g for g in tally.groups if window_start <= g.ended <= stop]
     tokens = [s["generated_tokens"] for s in sims]
     steps = [t for t in tally.steps if window_start <= t <= stop]
+    # Between consecutive steps that ended in the window: a rate that does not move by a whole step
+    # when the window's edge falls just before one or just after.
+    intervals = [b - a for a, b in itertools.pairwise(tally.steps) if window_start <= b <= stop]
     latencies = [g.latency_s for g in in_window]
     row: dict[str, Any] = {
         "driver": cfg.driver,
@@ -376,6 +401,7 @@ async def run_one(cfg: Config, logs: Path) -> dict:
         "p90 s": _q(latencies, 0.9),
         "load max/mean": round(max(tokens) / statistics.mean(tokens), 2) if sum(tokens) else None,
         "steps/h": round(len(steps) * 3600 / sim_window, 1) if cfg.driver in ("sync", "stream") else None,
+        "step interval s": round(statistics.mean(intervals) * cfg.time_scale, 1) if intervals else None,
         "stale drops": sum(d.get("reason") == "stale" for d in tally.dropped) if cfg.driver == "stream" else None,
         "mean batch": round(statistics.mean(s["mean_batch"] for s in sims), 1),
         "preemptions": sum(s["preemptions"] for s in sims),
@@ -418,9 +444,12 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, help="the stream's (default 1; -1: unbounded)")
     parser.add_argument("--no-pacing", action="store_true", help="the stream drops and replaces stale groups")
     parser.add_argument("--service-flag", action="append", default=[], help="a flag for rollout-service serve")
+    parser.add_argument("--groups", type=int, help="fixed work: these many groups, timed to the last one's end")
     parser.add_argument("--record", type=Path, help="write the rows as a record here")
     parser.add_argument("--label", default="", help="a word for this run in the record's title")
     args = parser.parse_args()
+    if args.groups is not None and "stream" in args.drivers:
+        parser.error("--groups fixes the work of naive, sync and batch; the stream's is set by its steps")
     extra: dict[str, Any] = {}
     if args.deadline_s is not None:
         extra["deadline_s"] = args.deadline_s
@@ -438,7 +467,8 @@ def main() -> None:
                 cfg = Config(pool, replicas, driver, n=args.n, seconds=args.seconds, warmup=args.warmup,
                              time_scale=args.time_scale or 2560 / pool, train_s=args.train_s,
                              max_tokens=args.max_tokens, params=args.params,
-                             service_flags=args.service_flag, group_extra=extra, stream_extra=stream)  # fmt: skip
+                             service_flags=args.service_flag, group_extra=extra, stream_extra=stream,
+                             groups=args.groups)  # fmt: skip
                 row = asyncio.run(run_one(cfg, LOGS))
                 print(json.dumps(row), flush=True)
                 rows.append(row)

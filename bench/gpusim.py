@@ -8,10 +8,11 @@ the engine model says. The engine steps like vLLM's scheduler: every step advanc
 sequence by one token and gives the rest of the step's token budget to prefills (chunked); a step
 takes `base + per_token x (tokens in the step) + per_kv_token x (tokens in the KV cache)` seconds
 of simulated GPU time. A new sequence is admitted while fewer than `max_num_seqs` run and its prompt
-fits in the KV cache; a prompt's leading blocks found in the prefix cache (LRU over 16-token blocks,
-bounded) are not prefilled again. When a decode step would overflow the KV cache the newest running
-sequence is preempted (recompute: back to the head of the queue, its KV freed). `--time-scale S`
-runs S simulated seconds per wall second, so an hour of GPU time takes 60/S minutes.
+fits in the KV cache; a prompt's leading blocks found in the prefix cache (LRU over blocks of
+`block_tokens`, 16 as on CUDA; bounded) are not prefilled again. When a decode step would overflow
+the KV cache the newest running sequence is preempted (recompute: back to the head of the queue,
+its KV freed). `--time-scale S` runs S simulated seconds per wall second, so an hour of GPU time
+takes 60/S minutes.
 
 How long a reply is: a prompt may carry `<len=N>` (the tails env, bench/tailenv.py, writes one in
 each observation): the reply is N tokens (at most max_tokens, finish_reason "stop" below it);
@@ -46,7 +47,6 @@ from aiohttp import web
 from aioserve import serve
 
 MODEL = "sim-model"
-BLOCK = 16  # tokens per KV block (vLLM's default block size)
 START, END, NL, LEN_MARK = 1, 2, 3, 5
 ROLE = {"system": 10, "user": 11, "assistant": 12, "tool": 13}
 FIRST_ID, LAST_ID = 100, 99_999
@@ -69,6 +69,7 @@ class Params:
     # Wall time a request spends outside the engine (the API server's tokenizing and detokenizing):
     # next to nothing on a GPU host, tens of ms on a loaded CPU one.
     request_overhead_s: float = 0.0
+    block_tokens: int = 16  # tokens per KV block: the prefix cache's unit
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -98,6 +99,7 @@ H100_LLAMA8B = Params(
         "tokens (vLLM's gpu_memory_utilization default 0.9)",
         "max_batched_tokens": "vLLM's chunked-prefill default max_num_batched_tokens of 8192 for online serving",
         "prefix_cache_tokens": "the free KV blocks: the whole KV capacity at most",
+        "block_tokens": "vLLM's default block size on CUDA (CacheConfig.block_size 16)",
     },
 )
 SETUPS = {H100_LLAMA8B.setup: H100_LLAMA8B}
@@ -214,8 +216,9 @@ class Engine:
 
     def _blocks(self, prompt: list[int]) -> list[int]:
         out, h = [], 0
-        for i in range(len(prompt) // BLOCK):
-            h = zlib.crc32(bytes(str(prompt[i * BLOCK : (i + 1) * BLOCK]), "ascii"), h)
+        block = self.p.block_tokens
+        for i in range(len(prompt) // block):
+            h = zlib.crc32(bytes(str(prompt[i * block : (i + 1) * block]), "ascii"), h)
             out.append(h)
         return out
 
@@ -230,10 +233,10 @@ class Engine:
             hit += 1
         for h in blocks[hit:]:
             self.cache[h] = None
-        while len(self.cache) * BLOCK > self.p.prefix_cache_tokens:
+        while len(self.cache) * self.p.block_tokens > self.p.prefix_cache_tokens:
             self.cache.popitem(last=False)
         # At least one token is computed: vLLM recomputes the last one to sample from it.
-        tokens = min(hit * BLOCK, len(prompt) - 1)
+        tokens = min(hit * self.p.block_tokens, len(prompt) - 1)
         self.stats.cache_queried += len(prompt)
         self.stats.cache_hit += tokens
         return tokens

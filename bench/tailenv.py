@@ -84,10 +84,28 @@ def family_of(task_id: str) -> str:
     return task_id.split("-", 1)[0]
 
 
+# Three-letter words that are one token each, after a space, to SmolLM2's tokenizer, as every
+# 4 characters are to the sim's: filler of N tokens is N tokens to both engines, so the calibration
+# (bench/calibrate_gpusim.py) gives the real engine and the sim the same work.
+WORDS = (
+    "act add age aid aim air all and any arm art ask bad bag bar bed big bit box boy bus buy car cat cup cut "
+    "day dog dry ear eat egg end eye far few fit fix fly fun gas get gun hat hit hot ice job key kid law leg "
+    "let lot low man map mix net new oil old one pay pen pet pig pot put red run say sea see set sit six sky "
+    "son sun tax ten tie top try two use van war way web wet win yes yet"
+).split()
+
+
 def filler(tag: str, tokens: int) -> str:
-    """`tokens` tokens of text (4 characters each to the simulated tokenizer), distinct per tag."""
-    word = f"{zlib.crc32(tag.encode()) % 9000 + 1000:04d}"[:3] + " "
-    return word * tokens
+    """`tokens` tokens of text to the sim's tokenizer and to SmolLM2's, one word repeated, distinct per tag."""
+    return (WORDS[zlib.crc32(tag.encode()) % len(WORDS)] + " ") * tokens
+
+
+def first_messages(fam: Family, task_id: str, reply: int) -> list[dict]:
+    """An episode's first observation: its family's system prompt and the task, asking `reply` tokens."""
+    return [
+        {"role": "system", "content": filler(f"system-{fam.name}", fam.system_tokens)},
+        {"role": "user", "content": f"task {task_id}: " + filler(task_id, 200) + f"<len={reply}>"},
+    ]
 
 
 @dataclass
@@ -155,10 +173,7 @@ class TailEnv:
         turns = max(1, min(fam.turns_max, round(lognormal(rng, fam.turns_median, fam.turns_sigma))))
         passed = rng.random() < fam.pass_rate
         ep = Episode(task_id, fam, rng, turns, passed, [], time.monotonic())
-        ep.messages = [
-            {"role": "system", "content": filler(f"system-{fam.name}", fam.system_tokens)},
-            {"role": "user", "content": f"task {task_id}: " + filler(task_id, 200) + f"<len={self._reply(ep)}>"},
-        ]
+        ep.messages = first_messages(fam, task_id, self._reply(ep))
         self.count += 1
         episode_id = f"e{self.count}"
         self.episodes[episode_id] = ep

@@ -110,7 +110,7 @@ def test_a_repeated_prefix_is_charged_less_and_the_cache_is_bounded():
     # Other prompts push it out of a bounded cache: then it is prefilled in full again.
     for k in range(10):
         engine.cache_probe = engine._cached_prefix([k] * 512)
-    assert len(engine.cache) * gpusim.BLOCK <= SMALL.prefix_cache_tokens
+    assert len(engine.cache) * SMALL.block_tokens <= SMALL.prefix_cache_tokens
     assert engine._cached_prefix(prompt) == 0
 
 
@@ -193,3 +193,51 @@ def test_the_tails_env_draws_the_same_episodes_for_every_driver_and_its_families
 
 async def _async(value):
     return value
+
+
+def test_a_prompt_is_cached_by_whole_blocks_of_the_engines_block_size():
+    """A turn re-sends its prompt grown by 50 tokens: what is prefilled again is everything after the
+    last whole block cached, so 128-token blocks (vLLM's CPU backend, which the calibration fits)
+    recompute more than 16-token ones (CUDA's). Oracle: the block arithmetic, 350 - 256 and 350 - 288.
+    Break tried: the cache hashing 16-token blocks whatever block_tokens says -> 1 prefilled for
+    128-token blocks, not 94, fails."""
+    prompt = list(range(2000, 2300))
+    for block, again in ((128, 350 - 256), (16, 350 - 288)):
+        params = dataclasses.replace(SMALL, block_tokens=block, kv_capacity_tokens=4_000)
+        engine, _, _ = _run_by_hand(params, [(prompt, 1)])
+
+        async def extend(engine=engine):
+            seq = gpusim.Seq(prompt + list(range(5000, 5050)), 1, asyncio.get_running_loop().create_future())
+            engine.waiting.append(seq)
+            before = engine.stats.prefilled
+            while engine.running or engine.waiting:
+                engine.step()
+            return engine.stats.prefilled - before
+
+        assert asyncio.run(extend()) == again, block
+
+
+def test_the_calibration_prompts_are_the_same_length_to_the_sim_and_to_the_real_tokenizer():
+    """The calibration (bench/calibrate_gpusim.py) runs the tails env on the CPU vLLM and on the fitted
+    sim and compares the two: both must be given the same work. Oracle: the embedded model's own
+    tokenizer and chat template, on a first turn and a tool turn of each calibration family. Break
+    tried: the env's filler back to three-digit numbers (four tokens a word to SmolLM2, one to the
+    sim) -> the real prompt 3.9 x the sim's, fails."""
+    from transformers import AutoTokenizer
+
+    from rollout_service.launch import embedded_model
+
+    real = AutoTokenizer.from_pretrained(str(embedded_model.cache_dir()))
+    sim = gpusim.Tokenizer()
+    for family in tailenv.CALIBRATION.values():
+        for task in [t for t, f in tailenv.task_ids() if f == family.name][:4]:
+            messages = tailenv.first_messages(family, task, 32)
+            messages += [
+                {"role": "assistant", "content": "a reply of a few words"},
+                {"role": "user", "content": tailenv.filler(f"{task}-1", round(family.tool_median)) + "<len=32>"},
+            ]
+            for turn in (messages[:2], messages):
+                text = real.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+                real_count = len(real(text, add_special_tokens=False)["input_ids"])
+                sim_count = len(sim.render(turn, True))
+                assert abs(real_count - sim_count) <= 0.05 * real_count, (family.name, real_count, sim_count)
