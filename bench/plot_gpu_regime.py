@@ -27,10 +27,11 @@ DRIVERS = ("naive", "sync", "batch", "stream")
 
 
 def rows() -> list[dict]:
-    """Every gpu-regime row without item-5 switches; a configuration measured again keeps its newest row."""
+    """Every windowed gpu-regime row without item-5 switches; a configuration measured again keeps its
+    newest row. Fixed-work runs (--groups) are left out: their figures include the drain at the end."""
     latest: dict[tuple, dict] = {}
     for rec in load_all():
-        if rec["benchmark"] != "gpu-regime":
+        if rec["benchmark"] != "gpu-regime" or "--groups" in rec["command"].split():
             continue
         for row in rec["figures"]["rows"]:
             if row.get("switches"):
