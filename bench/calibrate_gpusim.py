@@ -111,7 +111,8 @@ async def measure(url: str, model: str, batches: list[int], short: int, long: in
                     tool = {"role": "user", "content": filler(f"{task}-tool", round(fam.tool_median)) + "<len=32>"}
                     messages = [*messages, answer["choices"][0]["message"], tool]
     return {"step_s_by_batch": steps, "prefill_per_token_s": prefill_per_token, "kv_per_token_s": kv_per_token,
-            "request_overhead_s": overhead, "reply_lengths": lengths}  # fmt: skip
+            "request_overhead_s": overhead, "reply_lengths": lengths,
+            "decode_context_tokens": context[0] + (short + long) / 2}  # fmt: skip
 
 
 async def _count(url: str, model: str, prompts: list[str]) -> list[int]:
@@ -147,7 +148,10 @@ async def same_prompts(url: str, model: str) -> list[dict]:
 
 def fit(measured: dict, log: Path | None) -> gpusim.Params:
     xs = [int(b) for b in measured["step_s_by_batch"]]
-    ys = [measured["step_s_by_batch"][b] for b in measured["step_s_by_batch"]]
+    # The sim charges the KV term on top of a step, so it comes out of the steps measured: b sequences
+    # of decode_context_tokens each were in the KV cache.
+    kv_in_step = measured["kv_per_token_s"] * measured["decode_context_tokens"]
+    ys = [measured["step_s_by_batch"][b] - int(b) * kv_in_step for b in measured["step_s_by_batch"]]
     slope, intercept = statistics.linear_regression(xs, ys)
     limits = {"max_num_seqs": 128, "kv_capacity_tokens": 186_368, "max_model_len": 4096}
     if log is not None and log.exists():
@@ -192,6 +196,14 @@ async def ratio(servers: list[str] | None, params_file: Path | None, model: str,
     load_before = os.getloadavg()[0]
     with Stack(cfg, LOGS / f"calibrate-{where}-p{pool}", with_service=True) as stack:
         async with _session() as http:
+            # Each sim starts cold; the real engine has served the measurements and the runs before this
+            # one (the same tasks), so its prefix cache is emptied to start it cold as well.
+            for url in servers or []:
+                async with http.post(f"{url}/reset_prefix_cache") as r:
+                    if r.status != 200:
+                        raise RuntimeError(
+                            f"{url}/reset_prefix_cache answered {r.status} (needs VLLM_SERVER_DEV_MODE=1)"
+                        )
             started = time.monotonic()
             for t in tasks:
                 await _direct_group(http, stack, t, stack.sims, cfg)

@@ -365,8 +365,9 @@ async def run_one(cfg: Config, logs: Path) -> dict:
             await asyncio.wait([task], timeout=cfg.seconds)
             if task.done():
                 stop = time.monotonic()
-            else:
-                tally.notes.append(f"{len(tally.groups)} of {cfg.groups} groups ended in the {cfg.seconds:.0f} s cap")
+            if len(tally.groups) < cfg.groups:  # the cap, or groups the service answered with an error
+                cap = "" if task.done() else f" in the {cfg.seconds:.0f} s (wall) cap"
+                tally.notes.append(f"{len(tally.groups)} of {cfg.groups} groups ended{cap}")
         else:
             await asyncio.sleep(cfg.warmup)
             await _reset_stats(stack)
@@ -448,6 +449,8 @@ def main() -> None:
     parser.add_argument("--record", type=Path, help="write the rows as a record here")
     parser.add_argument("--label", default="", help="a word for this run in the record's title")
     args = parser.parse_args()
+    if args.groups is not None and args.groups < 1:
+        parser.error("--groups must be at least 1")
     if args.groups is not None and "stream" in args.drivers:
         parser.error("--groups fixes the work of naive, sync and batch; the stream's is set by its steps")
     extra: dict[str, Any] = {}
