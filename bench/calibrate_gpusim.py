@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpusim
 import record
 from gpu_regime import LOGS, Config, Stack, _direct_group, _from_result, _group_body, _ndjson, _session
-from tailenv import CALIBRATION, filler, first_messages, task_ids
+from tailenv import CALIBRATION, first_messages, task_ids, tasks_of, tool_message
 
 from rollout_service.launch.embedded_model import MODEL_NAME
 from rollout_service.launch.stack import start_embedded_vllm
@@ -63,15 +63,20 @@ def _prompt(i: int, words: int) -> str:
     return f"request {i} at {time.monotonic_ns()}: " + " ".join(f"w{(i * 31 + k) % 997}" for k in range(words))
 
 
+async def _decode_step(url: str, model: str, batch: int, words: int, short: int, long: int) -> float:
+    """One decode step at `batch` sequences of `words`-word prompts: b requests at once for `short` and
+    then `long` tokens (fresh prompts each time); the prefill and the HTTP cost cancel in the difference."""
+    walls = []
+    for tokens in (short, long):
+        walls.append((await _timed_completions(url, model, [_prompt(i, words) for i in range(batch)], tokens))[0])
+    return (walls[1] - walls[0]) / (long - short)
+
+
 async def measure(url: str, model: str, batches: list[int], short: int, long: int) -> dict:
     tries: dict[int, list[float]] = {b: [] for b in batches}
     for _ in range(3):  # interleaved, the median kept: the machine's load moves under a measurement
         for b in batches:
-            walls = []
-            for tokens in (short, long):
-                wall, _ = await _timed_completions(url, model, [_prompt(i, 20) for i in range(b)], tokens)
-                walls.append(wall)
-            tries[b].append(max(1e-6, (walls[1] - walls[0]) / (long - short)))
+            tries[b].append(max(1e-6, await _decode_step(url, model, b, 20, short, long)))
     steps = {b: statistics.median(t) for b, t in tries.items()}
     print("step s by batch:", {b: round(s, 4) for b, s in steps.items()}, flush=True)
     # Prefill: one request of 1 token, cold (distinct prompts: no prefix-cache hit), at prompt lengths
@@ -87,13 +92,9 @@ async def measure(url: str, model: str, batches: list[int], short: int, long: in
     overhead = max(0.0, at_zero - steps[min(steps)])
     # The KV term: a decode step at batch 8 with long contexts against one with short ones.
     kv: dict[int, list[float]] = {w: [] for w in (20, 200)}
-    for k in range(3):
+    for _ in range(3):
         for w in kv:
-            pair = []
-            for tokens in (short, long):
-                prompts = [_prompt(1000 * k + 100 * w + tokens + i, w) for i in range(8)]
-                pair.append((await _timed_completions(url, model, prompts, tokens))[0])
-            kv[w].append((pair[1] - pair[0]) / (long - short))
+            kv[w].append(await _decode_step(url, model, 8, w, short, long))
     context = await _count(url, model, [_prompt(1, 20), _prompt(1, 200)])
     kv_per_token = max(0.0, (statistics.median(kv[200]) - statistics.median(kv[20])) / (8 * (context[1] - context[0])))
     # What the model replies at max_tokens 32 on the env's own prompts, a first turn and the next
@@ -101,14 +102,14 @@ async def measure(url: str, model: str, batches: list[int], short: int, long: in
     lengths = []
     async with _session() as http:
         for fam in CALIBRATION.values():
-            for task in [t for t, f in task_ids() if f == fam.name][:12]:
+            for task in tasks_of(fam.name)[:12]:
                 messages = first_messages(fam, task, 32)
                 for _ in range(2):
                     body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 1.0}
                     async with http.post(f"{url}/v1/chat/completions", json=body) as r:
                         answer = await r.json()
                     lengths.append(answer["usage"]["completion_tokens"])
-                    tool = {"role": "user", "content": filler(f"{task}-tool", round(fam.tool_median)) + "<len=32>"}
+                    tool = tool_message(f"{task}-tool", round(fam.tool_median), 32)
                     messages = [*messages, answer["choices"][0]["message"], tool]
     return {"step_s_by_batch": steps, "prefill_per_token_s": prefill_per_token, "kv_per_token_s": kv_per_token,
             "request_overhead_s": overhead, "reply_lengths": lengths,
@@ -137,7 +138,7 @@ async def same_prompts(url: str, model: str) -> list[dict]:
     out = []
     async with _session() as http:
         for fam in CALIBRATION.values():
-            task = next(t for t, f in task_ids() if f == fam.name)
+            task = tasks_of(fam.name)[0]
             messages = first_messages(fam, task, 32)
             body = {"model": model, "messages": messages, "add_generation_prompt": True}
             async with http.post(f"{url}/tokenize", json=body) as r:

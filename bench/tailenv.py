@@ -108,6 +108,16 @@ def first_messages(fam: Family, task_id: str, reply: int) -> list[dict]:
     ]
 
 
+def tool_message(tag: str, tokens: int, reply: int) -> dict:
+    """A step's observation: `tokens` tokens of tool output, asking `reply` tokens."""
+    return {"role": "user", "content": filler(tag, tokens) + f"<len={reply}>"}
+
+
+def tasks_of(family: str) -> list[str]:
+    """The family's tasks, in the order every driver follows."""
+    return [t for t, f in task_ids() if f == family]
+
+
 @dataclass
 class Episode:
     task_id: str
@@ -218,8 +228,7 @@ class TailEnv:
                 }
             )
         tool = max(1, round(lognormal(ep.rng, ep.family.tool_median, ep.family.tool_sigma)))
-        content = filler(f"{episode_id}-{ep.turn}", tool) + f"<len={self._reply(ep)}>"
-        ep.messages = [*ep.messages, {"role": "user", "content": content}]
+        ep.messages = [*ep.messages, tool_message(f"{episode_id}-{ep.turn}", tool, self._reply(ep))]
         return web.json_response(self._observation(episode_id, ep))
 
     async def abandon(self, request: web.Request) -> web.Response:

@@ -230,11 +230,11 @@ def test_the_calibration_prompts_are_the_same_length_to_the_sim_and_to_the_real_
     real = AutoTokenizer.from_pretrained(str(embedded_model.cache_dir()))
     sim = gpusim.Tokenizer()
     for family in tailenv.CALIBRATION.values():
-        for task in [t for t, f in tailenv.task_ids() if f == family.name][:4]:
+        for task in tailenv.tasks_of(family.name)[:4]:
             messages = tailenv.first_messages(family, task, 32)
             messages += [
                 {"role": "assistant", "content": "a reply of a few words"},
-                {"role": "user", "content": tailenv.filler(f"{task}-1", round(family.tool_median)) + "<len=32>"},
+                tailenv.tool_message(f"{task}-1", round(family.tool_median), 32),
             ]
             for turn in (messages[:2], messages):
                 text = real.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
